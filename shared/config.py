@@ -1,0 +1,167 @@
+"""Frozen configuration dataclasses, one per concern, built once at the edge and passed down.
+
+The engine core never reads the environment: the CLI and services build these from flags/env.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "llama3"):
+            raise ConfigError(f"rope_type: unsupported RoPE type {self.rope_type!r} (default, llama3)")
+        if self.theta <= 0:
+            raise ConfigError(f"rope_theta must be > 0, got {self.theta}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and semantics of a Llama-family decoder; parameter names follow HF's config."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    # Local HF folder with the weights (safetensors); None means random ("dummy") weights.
+    weights_path: str | None = None
+    # Folder holding tokenizer.json / tokenizer_config.json; None if the model has no tokenizer.
+    tokenizer_path: str | None = None
+    # Seed of the random weights of a dummy model: every process builds the same weights.
+    dummy_seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def fingerprint(self) -> str:
+        """Identifies the weights and shapes: two workers may share KV pages only if these match."""
+        blob = json.dumps(asdict(self) | {"name": None, "weights_path": None, "tokenizer_path": None},
+                          sort_keys=True, default=str)
+        if self.weights_path is not None:
+            blob += self.name
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: `num_blocks` fixed-size blocks of `block_size` tokens."""
+
+    block_size: int = 16
+    # Explicit pool size in blocks; None sizes it from memory (gpu_memory_fraction on CUDA,
+    # cpu_kv_bytes on the CPU).
+    num_blocks: int | None = None
+    gpu_memory_fraction: float = 0.85
+    cpu_kv_bytes: int = 512 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    # Token budget of one step (prefill tokens + one per decoding sequence).
+    max_num_batched_tokens: int = 8192
+    # Longest prompt + output a request may have; None means the model's context length,
+    # capped at max_num_batched_tokens (a prompt is prefilled in one step).
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    # "auto": float32 on CPU, bfloat16 on CUDA.
+    dtype: str = "auto"
+    # Fused Triton kernels where the device supports them; references otherwise.
+    use_triton: bool = True
+    # CUDA graphs for decode steps (ignored on CPU).
+    use_cuda_graphs: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.max_model_len > self.model.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's context "
+                f"({self.model.max_position_embeddings})"
+            )
+        if self.scheduler.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.scheduler.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) so that any admissible prompt fits one step"
+            )
+
+    @property
+    def max_model_len(self) -> int:
+        if self.scheduler.max_model_len is not None:
+            return self.scheduler.max_model_len
+        return min(self.model.max_position_embeddings, self.scheduler.max_num_batched_tokens)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.device == "cpu" else torch.bfloat16
+        return _DTYPES[self.dtype]

@@ -1,0 +1,70 @@
+"""A request's own state: its tokens, counters and block table (it owns them; nobody else edits)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tandem.shared.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    # Decode role: blocks reserved, pages being written by a remote prefill worker.
+    WAITING_FOR_KV = "waiting_for_kv"
+    RUNNING = "running"
+    # Prefill role: the first token is sampled; blocks are held until the pages are exported.
+    PREFILLED = "prefilled"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Resolved seed: the params' seed, or one drawn for the request when it arrived.
+    seed: int
+    # Prefill role: stop after the first token and hold the blocks for export.
+    prefill_only: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+    # Tokens prefilled by this engine (not received from a remote prefill worker).
+    num_local_prefill_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.is_finished else None
