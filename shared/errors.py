@@ -7,7 +7,7 @@ class TandemError(Exception):
     """Base class of the errors tandem raises on purpose."""
 
 
-class InvalidRequestError(TandemError):
+class InvalidRequestError(TandemError, ValueError):
     """A request field is invalid. `field` names it, so the client can fix it."""
 
     def __init__(self, field: str, message: str) -> None:

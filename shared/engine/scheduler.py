@@ -81,7 +81,7 @@ class Scheduler:
         while self.waiting:
             request = self.waiting[0]
             num_blocks = num_blocks_for(request.num_tokens, self.block_size)
-            if (len(self.running) + len(batch) >= self.config.max_num_seqs
+            if (len(self.running) >= self.config.max_num_seqs
                     or num_tokens + request.num_tokens > self.config.max_num_batched_tokens
                     or not self.block_pool.can_allocate(num_blocks)):
                 break  # FCFS: a later request never overtakes the head of the queue
@@ -90,6 +90,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             num_tokens += request.num_tokens
             batch.append(request)
+            self.running.append(request)
         return SchedulerOutput(is_prefill=True, requests=batch) if batch else None
 
     def _schedule_decode(self) -> SchedulerOutput | None:

@@ -1,0 +1,170 @@
+"""Drive an `Engine` from asyncio: one engine thread steps the model; services await per-request events.
+
+The engine is single-threaded by design (one owner of the queues and the KV tensors). Every mutation
+asked by a service (add, abort, reserve, write pages, activate, release) is queued as a command and
+runs on the engine thread between steps, in order. Torch releases the GIL while it computes, so the
+event loop keeps serving gRPC streams during a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from tandem.shared.engine.engine import Engine, StepResult
+from tandem.shared.engine.request import Request
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of one request; `finish_reason` set on the last event."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None = None
+    num_local_prefill_tokens: int = 0
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Any]
+    num_sent: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def put(self, event: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class AsyncEngine:
+    """Owns the engine thread. Create inside a running event loop; `close()` stops the thread."""
+
+    def __init__(self, engine: Engine, name: str = "engine") -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._wake = threading.Event()
+        # Prefill role: called on the engine thread after each layer of a prefill batch.
+        self.on_prefill_layer: Callable[[list[Request], int], None] | None = None
+        # Called on the engine thread after each step (metrics).
+        self.on_step: Callable[[StepResult, float], None] | None = None
+        engine.on_prefill_layer = self._prefill_layer
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- service side (event loop) -------------------------------------------------------------------
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def command() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as exc:  # handed to the awaiting caller, which owns the error
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._submit(command)
+        return await future
+
+    def post(self, fn: Callable[[Engine], None]) -> None:
+        """Fire and forget: run `fn(engine)` on the engine thread, in order with other commands."""
+        self._submit(lambda: fn(self.engine))
+
+    def open_stream(self, req_id: str) -> asyncio.Queue[Any]:
+        """Events for `req_id` (TokenEvent, or what the prefill hook posts) arrive on the queue."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[req_id] = stream
+        return stream.events
+
+    def close_stream(self, req_id: str) -> None:
+        self._streams.pop(req_id, None)
+
+    async def generate(self, req_id: str, prompt_token_ids: list[int], params: Any,
+                       prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
+        """Add a request and yield its token events; leaving early (cancel, error) aborts it."""
+        events = self.open_stream(req_id)
+        try:
+            await self.call(lambda e: e.add_request(req_id, prompt_token_ids, params, prefill_only))
+            while True:
+                event = await events.get()
+                yield event
+                if isinstance(event, TokenEvent) and event.finish_reason is not None:
+                    return
+        finally:
+            self.close_stream(req_id)
+            self.post(lambda e: e.abort(req_id))
+
+    def publish(self, request: Request) -> None:
+        """Engine thread: send the request's tokens not yet sent (and its end, if it ended)."""
+        stream = self._streams.get(request.req_id)
+        if stream is None:
+            return
+        new_ids = request.output_token_ids[stream.num_sent:]
+        if not new_ids and request.finish_reason is None:
+            return
+        logprobs = request.output_logprobs[stream.num_sent:]
+        stream.num_sent = request.num_output_tokens
+        stream.put(TokenEvent(new_ids, logprobs, request.finish_reason, request.num_local_prefill_tokens))
+
+    def post_event(self, req_id: str, event: Any) -> None:
+        """Engine thread: hand any event to the request's stream (used by the prefill page hook)."""
+        stream = self._streams.get(req_id)
+        if stream is not None:
+            stream.put(event)
+
+    def close(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- engine thread ------------------------------------------------------------------------------------
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _prefill_layer(self, requests: list[Request], layer: int) -> None:
+        if self.on_prefill_layer is not None:
+            self.on_prefill_layer(requests, layer)
+
+    def _run(self) -> None:
+        import time
+
+        while not self._stopping:
+            self._wake.clear()
+            while True:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                command()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                continue
+            start = time.perf_counter()
+            result = self.engine.step()
+            for request in result.requests:
+                self.publish(request)
+            if self.on_step is not None:
+                self.on_step(result, time.perf_counter() - start)
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

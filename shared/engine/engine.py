@@ -1,0 +1,176 @@
+"""The engine: `step()` = schedule → run the model → apply the tokens. No sockets, no threads.
+
+One engine serves every role:
+- colocated: `add_request` then `step()` until done (the offline `LLM`, and the decode worker's
+  fallback when no prefill worker is reachable);
+- prefill: `add_request(prefill_only=True)`; the step samples the first token and holds the blocks;
+  the service reads the pages (`read_pages`, per layer as they are computed via `on_prefill_layer`)
+  and then `release`s the request;
+- decode: `reserve` blocks for a remotely prefilled prompt, `write_pages` as they arrive, then
+  `activate` with the first token; the request joins the running batch.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tandem.shared.config import EngineConfig
+from tandem.shared.engine.block_pool import BlockPool
+from tandem.shared.engine.kv_cache import KVLayout
+from tandem.shared.engine.request import Request, RequestStatus
+from tandem.shared.engine.runner import ModelRunner
+from tandem.shared.engine.sampling_params import SamplingParams
+from tandem.shared.engine.scheduler import Scheduler, num_blocks_for
+from tandem.shared.errors import InvalidRequestError
+
+
+@dataclass
+class StepResult:
+    """Requests that received a token this step (read `output_token_ids`), and those that ended."""
+
+    requests: list[Request]
+    finished: list[Request]
+    is_prefill: bool
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        self.config = config
+        self.runner = runner or ModelRunner(config)
+        self.block_pool = BlockPool(self.runner.kv_cache.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.block_pool, config.cache.block_size,
+                                   config.model.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._seed_source = random.Random(config.seed)
+        # Prefill role: called with (requests of the batch, layer index) once a layer's K/V is stored.
+        self.on_prefill_layer: Callable[[list[Request], int], None] | None = None
+
+    # -- properties the services report -----------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.runner.kv_cache.layout
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- admission ----------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError (naming the field) for a request that can never be served."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab_size = self.config.model.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt_token_ids",
+                                      f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"is {num_prompt} tokens; the context length is {self.max_model_len} "
+                          f"(prompt plus at least one output token must fit)")
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"{params.max_tokens} plus the {num_prompt}-token prompt exceeds the "
+                              f"context length {self.max_model_len}")
+        needed = num_blocks_for(num_prompt + params.max_tokens, self.config.cache.block_size)
+        if needed > self.block_pool.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt plus max_tokens needs {needed} KV blocks; the pool has "
+                              f"{self.block_pool.num_blocks}")
+
+    def new_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prefill_only: bool = False) -> Request:
+        if req_id in self.requests:
+            raise InvalidRequestError("request_id", f"{req_id!r} is already in flight")
+        self.validate(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
+        return Request(req_id=req_id, prompt_token_ids=list(prompt_token_ids), params=params, seed=seed,
+                       prefill_only=prefill_only)
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prefill_only: bool = False) -> Request:
+        request = self.new_request(req_id, prompt_token_ids, params, prefill_only)
+        self.requests[req_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, req_id: str) -> None:
+        """End a request wherever it is and free its blocks now; unknown ids are ignored."""
+        request = self.requests.pop(req_id, None)
+        if request is not None:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        output = self.scheduler.schedule()
+        if output is None:
+            return StepResult([], [], is_prefill=False)
+        for request in output.requests:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+        hook = None
+        if output.is_prefill and self.on_prefill_layer is not None:
+            callback, batch = self.on_prefill_layer, output.requests
+
+            def hook(layer: int) -> None:
+                callback(batch, layer)
+
+        token_ids, logprobs = self.runner.execute(output, hook)
+        finished = self.scheduler.update_from_output(output, token_ids, logprobs)
+        for request in finished:
+            self.requests.pop(request.req_id, None)
+        return StepResult(output.requests, finished, output.is_prefill)
+
+    # -- prefill role -----------------------------------------------------------------------------------
+    def read_pages(self, request: Request, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V pages of one layer for the request's blocks, [num_blocks, block_size, Hkv, D]."""
+        return self.runner.kv_cache.read_blocks(layer, request.block_ids)
+
+    def release(self, req_id: str) -> None:
+        """The pages are shipped (or the receiver went away): free the prefilled request's blocks."""
+        request = self.requests.pop(req_id, None)
+        if request is not None:
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+
+    # -- decode role ------------------------------------------------------------------------------------
+    def reserve(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request | None:
+        """Hold blocks for a prompt a remote worker prefills; None when they are not free now.
+
+        `params.seed` must be the seed the prefill worker samples the first token with.
+        """
+        request = self.new_request(req_id, prompt_token_ids, params)
+        if not self.scheduler.reserve(request):
+            return None
+        self.requests[req_id] = request
+        return request
+
+    def write_pages(self, request: Request, layer: int, block_start: int, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        block_ids = request.block_ids[block_start:block_start + k.shape[0]]
+        assert len(block_ids) == k.shape[0], "pages past the reserved blocks"
+        self.runner.kv_cache.write_blocks(layer, block_ids, k, v)
+
+    def activate(self, request: Request, first_token_id: int, logprob: float) -> None:
+        """The prompt's pages are in place and its first token known: join the running batch."""
+        self.scheduler.activate(request)
+        request.num_local_prefill_tokens = 0
+        self.scheduler.append_token(request, first_token_id, logprob)
+        if request.status.is_finished:
+            self.requests.pop(request.req_id, None)

@@ -1,0 +1,135 @@
+"""Llama-family decoder over a paged KV cache.
+
+Reads like the paper: embed → N × (norm → attention → norm → SwiGLU MLP) → norm → logits.
+Q/K/V and gate/up are merged into one GEMM each; every elementwise step goes through `Ops`, which
+is either the fused Triton kernels or their pure-torch references (same contract, same results).
+Parameter names follow the HF checkpoint except the two merged projections (see weights.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tandem.kernels import Ops
+from tandem.shared.config import ModelConfig
+from tandem.shared.engine.attention import AttentionMetadata
+
+KVLayer = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim ** -0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv: KVLayer,
+                meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = self.ops.rotary_embedding(positions, q, k, cos_sin)
+        k_cache, v_cache = kv
+        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            assert meta.cu_seqlens is not None
+            out = self.ops.prefill_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, self.scale)
+        else:
+            assert meta.block_tables is not None and meta.context_lens is not None
+            out = self.ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                                  meta.context_lens, self.scale, meta.num_splits)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        self.ops = ops
+        self.self_attn = LlamaAttention(config, ops)
+        self.mlp = LlamaMLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv: KVLayer, meta: AttentionMetadata, cos_sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = self.input_layernorm
+        if residual is None:
+            residual = hidden
+            hidden = self.ops.rms_norm(hidden, norm.weight, norm.eps)
+        else:
+            # The residual add rides along with the norm: one pass over the activations, not two.
+            hidden, residual = self.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        hidden = self.self_attn(positions, hidden, kv, meta, cos_sin)
+        norm = self.post_attention_layernorm
+        hidden, residual = self.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops
+        self.model = LlamaModel(config, ops)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: list[KVLayer],
+                meta: AttentionMetadata, cos_sin: torch.Tensor,
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Hidden states of every token, [T, hidden]. `on_layer_done(i)` runs once layer i's K/V
+        are in the cache (the prefill role ships them while the next layer computes)."""
+        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.model.layers):
+            hidden, residual = layer(positions, hidden, residual, kv_cache[i], meta, cos_sin)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        assert residual is not None
+        norm = self.model.norm
+        hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] → [N, vocab] in float32 (sampling and logprobs want full precision)."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,153 @@
+"""The model runner: owns the weights, the KV cache tensors and the CUDA graphs.
+
+`execute(scheduler_output)` turns a batch of requests into flat tensors (packed prefill, or one
+token per sequence for decode), runs the forward, and samples one token per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tandem.kernels import Ops, get_ops, triton_available
+from tandem.kernels.paged_decode_attention import choose_num_splits
+from tandem.shared.config import EngineConfig
+from tandem.shared.engine.attention import AttentionMetadata
+from tandem.shared.engine.cuda_graphs import DecodeGraphs
+from tandem.shared.engine.kv_cache import KVCache, num_blocks_to_allocate
+from tandem.shared.engine.model import LlamaForCausalLM
+from tandem.shared.engine.request import Request
+from tandem.shared.engine.rope import cos_sin_cache
+from tandem.shared.engine.sampler import SamplingTensors, sample
+from tandem.shared.engine.scheduler import SchedulerOutput
+from tandem.shared.engine.weights import load_weights
+
+
+@dataclass
+class DecodeInputs:
+    input_ids: torch.Tensor  # [S] int64
+    positions: torch.Tensor  # [S] int64
+    slot_mapping: torch.Tensor  # [S] int64
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    context_lens: torch.Tensor  # [S] int32
+
+
+def select_ops(config: EngineConfig) -> Ops:
+    device = torch.device(config.device)
+    return get_ops("triton" if config.use_triton and triton_available(device) else "torch")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, ops: Ops | None = None) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.ops = ops or select_ops(config)
+        model_config = config.model
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(model_config, self.ops).to(self.dtype)
+        load_weights(self.model, model_config)
+        self.model.eval().requires_grad_(False)
+        self.max_model_len = config.max_model_len
+        self.block_size = config.cache.block_size
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        num_blocks = num_blocks_to_allocate(model_config, config.cache, self.dtype, self.device,
+                                            self.max_model_len)
+        self.kv_cache = KVCache(model_config, self.block_size, num_blocks, self.dtype, self.device)
+        self.kv_layers = self.kv_cache.layers
+        self.cos_sin = cos_sin_cache(model_config.rope, model_config.head_dim, self.max_model_len, self.device)
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 1)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.use_cuda_graphs:
+            self.graphs = DecodeGraphs(self, max_batch_size=config.scheduler.max_num_seqs)
+            self.graphs.capture()
+
+    # -- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput,
+                on_layer_done: Callable[[int], None] | None = None) -> tuple[list[int], list[float]]:
+        """Run one step and return each request's new token id and its logprob (host lists)."""
+        if output.is_prefill:
+            logits = self._prefill(output.requests, on_layer_done)
+        else:
+            logits = self._decode(output.requests)
+        tensors = SamplingTensors.from_requests(output.requests, self.device)
+        token_ids, logprobs = sample(logits, tensors)
+        # The one host sync per step: the scheduler needs the tokens to apply stop rules.
+        return token_ids.tolist(), logprobs.tolist()
+
+    def _prefill(self, requests: list[Request],
+                 on_layer_done: Callable[[int], None] | None) -> torch.Tensor:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens = [0]
+        for request in requests:
+            # After a preemption the "prompt" is everything so far: recompute rebuilds its KV.
+            tokens = request.all_token_ids
+            input_ids += tokens
+            positions += range(len(tokens))
+            slots += self._slots(request, 0, len(tokens))
+            cu_seqlens.append(cu_seqlens[-1] + len(tokens))
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=self._to_device(slots, torch.int64),
+            cu_seqlens=self._to_device(cu_seqlens, torch.int32),
+            max_seqlen=max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:], strict=False)),
+        )
+        hidden = self.model(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
+                            self.kv_layers, meta, self.cos_sin, on_layer_done)
+        last = self._to_device([end - 1 for end in cu_seqlens[1:]], torch.int64)
+        return self.model.compute_logits(hidden[last])
+
+    def _decode(self, requests: list[Request]) -> torch.Tensor:
+        inputs = self.prepare_decode(requests)
+        if self.graphs is not None and self.graphs.can_run(len(requests)):
+            return self.graphs.run(inputs)
+        return self.forward_decode(inputs, self.num_splits_for(len(requests)))
+
+    def prepare_decode(self, requests: list[Request]) -> DecodeInputs:
+        input_ids, positions, slots, context_lens = [], [], [], []
+        max_blocks = max(len(r.block_ids) for r in requests)
+        block_tables = []
+        for request in requests:
+            position = request.num_tokens - 1  # the last token's K/V is written this step
+            input_ids.append(request.last_token_id)
+            positions.append(position)
+            slots += self._slots(request, position, position + 1)
+            context_lens.append(request.num_tokens)
+            block_tables.append(request.block_ids + [0] * (max_blocks - len(request.block_ids)))
+        return DecodeInputs(
+            input_ids=self._to_device(input_ids, torch.int64),
+            positions=self._to_device(positions, torch.int64),
+            slot_mapping=self._to_device(slots, torch.int64),
+            block_tables=self._to_device(block_tables, torch.int32),
+            context_lens=self._to_device(context_lens, torch.int32),
+        )
+
+    def forward_decode(self, inputs: DecodeInputs, num_splits: int) -> torch.Tensor:
+        """Decode forward → logits [S, V]; also the body that CUDA graphs capture."""
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=inputs.slot_mapping,
+                                 block_tables=inputs.block_tables, context_lens=inputs.context_lens,
+                                 num_splits=num_splits)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, meta, self.cos_sin)
+        return self.model.compute_logits(hidden)
+
+    def num_splits_for(self, num_seqs: int) -> int:
+        # Fixed by batch size and the maximum length (not the actual contexts) so that a captured
+        # graph and an eager step of the same batch size split the same way.
+        return choose_num_splits(num_seqs, self.config.model.num_key_value_heads, self.max_model_len,
+                                 self.num_sms)
+
+    def _slots(self, request: Request, start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [request.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor

@@ -1,0 +1,158 @@
+"""Scheduler and block pool on the CPU with fake model outputs (no model, no tensors)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.shared.config import SchedulerConfig
+from tandem.shared.engine.block_pool import BlockPool
+from tandem.shared.engine.request import Request, RequestStatus
+from tandem.shared.engine.sampling_params import SamplingParams
+from tandem.shared.engine.scheduler import Scheduler, num_blocks_for
+
+EOS = 2
+BLOCK = 4
+
+
+def make_request(req_id: str, prompt_len: int, max_tokens: int = 8, **kw: object) -> Request:
+    return Request(req_id=req_id, prompt_token_ids=[10 + i for i in range(prompt_len)],
+                   params=SamplingParams(max_tokens=max_tokens, **kw), seed=0)  # type: ignore[arg-type]
+
+
+def make_scheduler(num_blocks: int, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    return Scheduler(config, BlockPool(num_blocks), BLOCK, (EOS,))
+
+
+def run_step(scheduler: Scheduler, token: int = 5) -> list[Request]:
+    output = scheduler.schedule()
+    assert output is not None
+    return scheduler.update_from_output(output, [token] * len(output.requests), [0.0] * len(output.requests))
+
+
+def test_block_pool_allocates_frees_and_detects_double_free() -> None:
+    pool = BlockPool(4)
+    ids = pool.allocate(3)
+    assert pool.num_free_blocks == 1 and not pool.can_allocate(2)
+    pool.free(ids)
+    pool.check_integrity()
+    assert pool.num_free_blocks == 4
+    with pytest.raises(AssertionError, match="freed twice"):
+        pool.free(ids[:1])
+
+
+def test_prefill_first_fcfs_with_token_budget() -> None:
+    scheduler = make_scheduler(num_blocks=64, budget=10)
+    for i, n in enumerate([6, 6, 3]):
+        scheduler.add(make_request(f"r{i}", n))
+    output = scheduler.schedule()
+    assert output is not None and output.is_prefill
+    # r1 does not fit the budget, and r2 must not overtake it.
+    assert [r.req_id for r in output.requests] == ["r0"]
+
+
+def test_finished_request_frees_blocks_and_waiting_one_joins_at_once() -> None:
+    scheduler = make_scheduler(num_blocks=4)  # 16 token slots
+    a, b = make_request("a", 7, max_tokens=2), make_request("b", 7, max_tokens=2)
+    scheduler.add(a)
+    scheduler.add(b)
+    run_step(scheduler)  # prefill a and b: 2 blocks each, pool full
+    assert scheduler.block_pool.num_free_blocks == 0
+    c = make_request("c", 7, max_tokens=2)
+    scheduler.add(c)
+    finished = run_step(scheduler)  # decode: a and b reach max_tokens
+    assert {r.req_id for r in finished} == {"a", "b"}
+    output = scheduler.schedule()
+    assert output is not None and output.is_prefill and output.requests == [c]
+
+
+def test_eos_stops_unless_ignore_eos() -> None:
+    scheduler = make_scheduler(num_blocks=16)
+    stops, runs_on = make_request("s", 3), make_request("i", 3, ignore_eos=True)
+    scheduler.add(stops)
+    scheduler.add(runs_on)
+    run_step(scheduler, token=EOS)
+    assert stops.status is RequestStatus.FINISHED_STOPPED
+    assert runs_on.status is RequestStatus.RUNNING and runs_on.output_token_ids == [EOS]
+
+
+def test_stop_token_ids_and_max_tokens() -> None:
+    scheduler = make_scheduler(num_blocks=16)
+    r = make_request("r", 3, max_tokens=3, stop_token_ids=[7])
+    scheduler.add(r)
+    run_step(scheduler, token=5)
+    run_step(scheduler, token=7)
+    assert r.status is RequestStatus.FINISHED_STOPPED and r.output_token_ids == [5, 7]
+    q = make_request("q", 3, max_tokens=2)
+    scheduler.add(q)
+    run_step(scheduler)
+    run_step(scheduler)
+    assert q.finish_reason == "length" and len(q.output_token_ids) == 2
+
+
+def test_preemption_by_recompute_when_pool_runs_out() -> None:
+    scheduler = make_scheduler(num_blocks=3)
+    old, new = make_request("old", 4, max_tokens=6), make_request("new", 4, max_tokens=6)
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler)  # both prefilled: 1 block each (4 tokens), 1 free
+    run_step(scheduler)  # 5 tokens each: old takes the last block, new is preempted
+    assert new.status is RequestStatus.WAITING and new.num_preemptions == 1
+    assert new.block_ids == [] and scheduler.waiting[0] is new
+    assert old.status is RequestStatus.RUNNING
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+    assert old.num_output_tokens == 6 and new.num_output_tokens == 6
+    scheduler.block_pool.check_integrity()
+    assert scheduler.block_pool.num_free_blocks == 3
+
+
+def test_finish_frees_blocks_in_every_state() -> None:
+    scheduler = make_scheduler(num_blocks=16)
+    waiting, running = make_request("w", 3), make_request("r", 3)
+    scheduler.add(running)
+    run_step(scheduler)
+    scheduler.add(waiting)
+    receiving = make_request("k", 5)
+    assert scheduler.reserve(receiving)
+    prefilled = make_request("p", 3)
+    prefilled.prefill_only = True
+    scheduler.add(prefilled)
+    run_step(scheduler)  # prefills w and p; p is held for export
+    assert prefilled.status is RequestStatus.PREFILLED
+    for r in (waiting, running, receiving, prefilled):
+        scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+        scheduler.finish(r, RequestStatus.FINISHED_ABORTED)  # idempotent
+    scheduler.block_pool.check_integrity()
+    assert scheduler.block_pool.num_free_blocks == 16
+    assert not scheduler.has_unfinished() and not scheduler.receiving and not scheduler.prefilled
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(6, 24))
+def test_random_mix_always_returns_every_block(seed: int, num_blocks: int) -> None:
+    """Any mix of finishing, EOS-stopped, aborted and preempted requests leaves the pool whole."""
+    rng = random.Random(seed)
+    scheduler = make_scheduler(num_blocks=num_blocks, max_num_seqs=4)
+    live: list[Request] = []
+    for step in range(60):
+        if rng.random() < 0.4:
+            r = make_request(f"r{step}", rng.randint(1, 8), max_tokens=rng.randint(1, 10))
+            scheduler.add(r)
+            live.append(r)
+        if live and rng.random() < 0.1:
+            scheduler.finish(live.pop(rng.randrange(len(live))), RequestStatus.FINISHED_ABORTED)
+        output = scheduler.schedule()
+        if output is not None:
+            tokens = [EOS if rng.random() < 0.05 else 5 for _ in output.requests]
+            scheduler.update_from_output(output, tokens, [0.0] * len(tokens))
+        for r in scheduler.running:
+            assert len(r.block_ids) >= num_blocks_for(r.num_tokens - 1, BLOCK)
+    for r in live:
+        scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+    scheduler.block_pool.check_integrity()
+    assert scheduler.block_pool.num_free_blocks == num_blocks
