@@ -1,1 +1,5 @@
-"""tandem."""
+"""Fused Triton kernels, each with a pure-torch reference beside it; `get_ops` picks a backend."""
+
+from tandem.kernels.ops import Ops, get_ops, triton_available
+
+__all__ = ["Ops", "get_ops", "triton_available"]

@@ -47,7 +47,8 @@ def check_launchable(op: str, *tensors: torch.Tensor) -> None:
         raise RuntimeError(f"{op}: triton is not installed; use the 'torch' backend")
     for t in tensors:
         if not t.is_cuda and not IS_INTERPRETING:
-            raise ValueError(f"{op}: triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {t.device}")
+            raise ValueError(f"{op}: triton kernels need CUDA tensors (or TRITON_INTERPRET=1), "
+                             f"got {t.device}")
 
 
 def check_last_dim_contiguous(op: str, **tensors: torch.Tensor) -> None:

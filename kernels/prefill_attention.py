@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
-
 from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
 
 _LOG2E = 1.4426950408889634
@@ -72,11 +69,14 @@ def _prefill_attention_kernel(
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     if k.shape != v.shape or k.shape[0] != num_tokens or k.shape[2] != head_dim:
-        raise ValueError(f"prefill_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} disagree")
+        raise ValueError(f"prefill_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} disagree")
     if num_q_heads % k.shape[1]:
-        raise ValueError(f"prefill_attention: {num_q_heads} query heads not a multiple of {k.shape[1]} kv heads")
+        raise ValueError(f"prefill_attention: {num_q_heads} query heads not a multiple of "
+                         f"{k.shape[1]} kv heads")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"prefill_attention: cu_seqlens must be [S+1] with S >= 1, got {tuple(cu_seqlens.shape)}")
+        raise ValueError(f"prefill_attention: cu_seqlens must be [S+1] with S >= 1, "
+                         f"got {tuple(cu_seqlens.shape)}")
 
 
 def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -96,7 +96,7 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     block_d = max(triton.next_power_of_2(head_dim), 16)
     if block_d > 256:
         raise ValueError(f"prefill_attention: head_dim {head_dim} > 256 is not supported")
-    # 128 x 64 tiles are the usual Hopper sweet spot; short prompts get smaller query tiles (tl.dot needs >= 16).
+    # 128 x 64 tiles suit Hopper; short prompts get smaller query tiles (tl.dot needs >= 16).
     block_m = min(128, max(16, triton.next_power_of_2(max_seqlen)))
     block_n = min(64, block_m)
     num_warps = 8 if block_d >= 128 and block_m >= 128 else 4
@@ -104,7 +104,8 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     grid = (triton.cdiv(max_seqlen, block_m), num_q_heads, num_seqs)
     _prefill_attention_kernel[grid](
         q, k, v, out, cu_seqlens, scale * _LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         num_q_heads // k.shape[1], head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=2,
@@ -116,19 +117,13 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
                           max_seqlen: int, scale: float) -> torch.Tensor:
     """q [T, Hq, D], k, v [T, Hkv, D], cu_seqlens [S+1] -> [T, Hq, D]; causal within each sequence."""
     _check_shapes(q, k, v, cu_seqlens)
-    num_queries_per_kv = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()  # host sync: fine for the reference
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         if end == start:
             continue
-        # SDPA wants [heads, L, D]; expand kv heads to their query groups.
-        q_s = q[start:end].transpose(0, 1)
-        k_s = k[start:end].transpose(0, 1).repeat_interleave(num_queries_per_kv, dim=0)
-        v_s = v[start:end].transpose(0, 1).repeat_interleave(num_queries_per_kv, dim=0)
-        out[start:end] = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale).transpose(0, 1)
+        # SDPA wants [heads, L, D]; enable_gqa maps query head h to kv head h // (Hq // Hkv).
+        q_s, k_s, v_s = (x[start:end].transpose(0, 1) for x in (q, k, v))
+        out_s = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale, enable_gqa=True)
+        out[start:end] = out_s.transpose(0, 1)
     return out
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

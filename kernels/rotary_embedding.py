@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-
 from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, tl, triton
 
 
 @triton.jit
-def _rotate_heads(ptr, stride_h, num_heads, cos, sin, half_dim, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate_heads(ptr, stride_h, num_heads, cos, sin, half_dim,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Rotate all heads of one token in place: [BLOCK_H, BLOCK_HALF] tiles of each half, in fp32."""
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
@@ -33,13 +33,17 @@ def _rotary_embedding_kernel(
     position = tl.load(positions_ptr + token)
     dims = tl.arange(0, BLOCK_HALF)
     dim_mask = dims < half_dim
-    cos = tl.load(cos_sin_ptr + position * stride_cos_sin + dims, mask=dim_mask, other=0.0)[None, :]
-    sin = tl.load(cos_sin_ptr + position * stride_cos_sin + half_dim + dims, mask=dim_mask, other=0.0)[None, :]
-    _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, cos, sin, half_dim, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, cos, sin, half_dim, BLOCK_HK, BLOCK_HALF)
+    cos_sin_row = cos_sin_ptr + position * stride_cos_sin
+    cos = tl.load(cos_sin_row + dims, mask=dim_mask, other=0.0)[None, :]  # [1, D/2]
+    sin = tl.load(cos_sin_row + half_dim + dims, mask=dim_mask, other=0.0)[None, :]
+    _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, cos, sin, half_dim,
+                  BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, cos, sin, half_dim,
+                  BLOCK_HK, BLOCK_HALF)
 
 
-def _check_shapes(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+def _check_shapes(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  cos_sin_cache: torch.Tensor) -> None:
     num_tokens, _, head_dim = q.shape
     if k.shape[0] != num_tokens or k.shape[2] != head_dim or positions.shape != (num_tokens,):
         raise ValueError(f"rotary_embedding: positions {tuple(positions.shape)}, q {tuple(q.shape)} and "
@@ -52,7 +56,7 @@ def _check_shapes(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos
 def rotary_embedding_triton(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] int64, q [T, Hq, D], k [T, Hkv, D], cos_sin_cache [P, D] fp32 -> (q, k), rotated in place.
+    """positions [T] int64, q [T, Hq, D], k [T, Hkv, D], cos_sin_cache [P, D] fp32 -> (q, k), in place.
 
     q and k may be strided views (e.g. of a fused qkv projection); their last dimension must be dense.
     """

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, tl, triton
 
 
@@ -39,7 +38,8 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(intermediate_size), 1024)
     grid = (num_tokens, triton.cdiv(intermediate_size, block))
-    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), intermediate_size, BLOCK=block, num_warps=4)
+    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), intermediate_size,
+                               BLOCK=block, num_warps=4)
     return out
 
 

@@ -6,17 +6,19 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from tandem.shared.config import CacheConfig, EngineConfig, SchedulerConfig
-from tandem.shared.detokenizer import IncrementalDetokenizer
 from tandem.shared.engine.engine import Engine
 from tandem.shared.engine.request import Request, RequestStatus
 from tandem.shared.engine.sampling_params import SamplingParams
 from tandem.shared.errors import InvalidRequestError
 from tandem.shared.models import apply_chat_template, load_model_config, load_tokenizer
+
+if TYPE_CHECKING:
+    from tandem.shared.detokenizer import IncrementalDetokenizer
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
@@ -154,6 +156,8 @@ class LLM:
             if params.stop:
                 raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
             return None
+        from tandem.shared.detokenizer import IncrementalDetokenizer
+
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
                                       skip_special_tokens=params.skip_special_tokens)
 

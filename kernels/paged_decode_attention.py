@@ -1,0 +1,246 @@
+"""Decode attention over a paged KV cache: one query token per sequence, flash-decoding with splits.
+
+Phase 1, grid (S, Hkv, num_splits): each program walks one slice of one sequence's context for one
+kv head, loading every KV tile once for all the query heads of its GQA group, and keeps an online
+softmax. Phase 2 (only when num_splits > 1), grid (S, Hq): combine the splits' partial results by
+their log-sum-exp. Splitting the context keeps the GPU busy when S * Hkv is small (batch 1, long
+context), where one program per (sequence, kv head) would leave most SMs idle.
+"""
+
+from __future__ import annotations
+
+import torch
+from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
+
+_LOG2E = 1.4426950408889634
+# Each split must stream enough tokens to amortise its partial write and the reduce kernel.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Splits per (sequence, kv head) so the decode grid covers about two waves of the GPU's SMs.
+
+    Pure function of shapes, so a CUDA graph captured for a batch size can fix it at capture time.
+    """
+    num_programs = max(num_seqs * num_kv_heads, 1)
+    target_programs = 2 * num_sms
+    if num_programs >= target_programs:
+        return 1
+    wanted = -(-target_programs // num_programs)
+    by_length = max(max_context // MIN_TOKENS_PER_SPLIT, 1)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+@triton.jit
+def _paged_decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, lse_ptr,
+    scale_log2, num_splits,
+    stride_qs, stride_qh,
+    stride_kc_block, stride_kc_offset, stride_kc_head,
+    stride_vc_block, stride_vc_offset, stride_vc_head,
+    stride_bt,
+    stride_os, stride_oh, stride_osplit,
+    stride_ls, stride_lh,
+    num_queries_per_kv, head_dim,
+    PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    # Slices are whole tiles, so only a slice's last tile is ragged. The context is only known on the
+    # device, so each program derives its own slice; a slice past the end is empty (ctx 0 → all are).
+    tokens_per_split = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, context_len)
+
+    offs_g = tl.arange(0, BLOCK_G)  # the group's query heads, padded to >= 16 rows for tl.dot
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < num_queries_per_kv
+    d_mask = offs_d < head_dim
+    heads = kv_head * num_queries_per_kv + offs_g
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for n_start in range(start, end, BLOCK_N):
+        n_idx = n_start + offs_n
+        n_mask = n_idx < end
+        # Gather: token n lives at block_tables[seq, n // PAGE_SIZE], row n % PAGE_SIZE of that page.
+        pages = tl.load(block_tables_ptr + seq * stride_bt + n_idx // PAGE_SIZE, mask=n_mask, other=0)
+        pages = pages.to(tl.int64)
+        rows = n_idx % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_rows = k_cache_ptr + (pages * stride_kc_block + rows * stride_kc_offset)[:, None]
+        k = tl.load(k_rows + kv_head * stride_kc_head + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        # The tile's first token is always in range, so every row max is finite.
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_rows = v_cache_ptr + (pages * stride_vc_block + rows * stride_vc_offset)[:, None]
+        v = tl.load(v_rows + kv_head * stride_vc_head + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_tokens = l_i > 0
+    # An empty slice (or a ctx-0 padding row) yields zeros, never 0/0.
+    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    out_offs = seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
+    if IS_SINGLE_SPLIT:
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptr + out_offs + split * stride_osplit, out, mask=out_mask)
+        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    partial_ptr, lse_ptr, out_ptr,
+    num_splits, head_dim,
+    stride_ps, stride_ph, stride_psplit,
+    stride_ls, stride_lh,
+    stride_os, stride_oh,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Grid (S, Hq): weight each split's normalised output by its share of the total exp-sum.
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    # All splits empty (ctx 0): weights become 0 and the output 0, not NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)  # [BLOCK_SPLITS]
+    total = tl.sum(weights, axis=0)
+    partial = tl.load(partial_ptr + seq * stride_ps + head * stride_ph + offs_s[:, None] * stride_psplit
+                      + offs_d[None, :], mask=s_mask[:, None] & (offs_d < head_dim)[None, :], other=0.0)
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < head_dim)
+
+
+def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor) -> None:
+    num_seqs, num_q_heads, head_dim = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[3] != head_dim:
+        raise ValueError(f"paged_decode_attention: caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} "
+                         f"must be [N, B, Hkv, {head_dim}]")
+    if num_q_heads % k_cache.shape[2]:
+        raise ValueError(f"paged_decode_attention: {num_q_heads} query heads not a multiple of "
+                         f"{k_cache.shape[2]} kv heads")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+        raise ValueError(f"paged_decode_attention: block_tables {tuple(block_tables.shape)} and context_lens "
+                         f"{tuple(context_lens.shape)} must be [{num_seqs}, max_blocks] and [{num_seqs}]")
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: any small number exercises the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                  num_splits: int | None = None) -> torch.Tensor:
+    """q [S, Hq, D], k_cache, v_cache [N, B, Hkv, D], block_tables [S, max_blocks] int32,
+    context_lens [S] int32 -> [S, Hq, D].
+
+    Sequence s attends to its first context_lens[s] cached tokens; block_tables[s, j] is the physical
+    block of its logical block j. A row with context_lens 0 gives zeros. num_splits=None picks
+    `choose_num_splits` with max_blocks * B as the context bound; pass an int to fix it (CUDA graphs).
+    """
+    check_launchable("paged_decode_attention", q, k_cache, v_cache, block_tables, context_lens)
+    check_last_dim_contiguous("paged_decode_attention", q=q, k_cache=k_cache, v_cache=v_cache,
+                              block_tables=block_tables)
+    _check_shapes(q, k_cache, v_cache, block_tables, context_lens)
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page_size,
+                                       _num_sms(q.device))
+    if num_splits < 1:
+        raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
+    num_queries_per_kv = num_q_heads // num_kv_heads
+    block_d = max(triton.next_power_of_2(head_dim), 16)
+    block_g = max(triton.next_power_of_2(num_queries_per_kv), 16)
+    if block_d > 256 or block_g > 64:
+        raise ValueError(f"paged_decode_attention: head_dim {head_dim} (<= 256) or GQA group "
+                         f"{num_queries_per_kv} (<= 64) unsupported")
+    block_n = 64 if block_d <= 128 else 32
+    is_single_split = num_splits == 1
+    if is_single_split:
+        partial, lse = out, out  # the kernel writes the final output directly; lse is unused
+        partial_strides = (out.stride(0), out.stride(1), 0)
+        lse_strides = (0, 0)
+    else:
+        # Scratch, from the caching allocator (a graph's private pool under capture): no host sync.
+        partial = q.new_empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32)
+        lse = q.new_empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32)
+        partial_strides = (partial.stride(0), partial.stride(1), partial.stride(2))
+        lse_strides = (lse.stride(0), lse.stride(1))
+    _paged_decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, partial, lse,
+        scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        *partial_strides, *lse_strides,
+        num_queries_per_kv, head_dim,
+        PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        IS_SINGLE_SPLIT=is_single_split, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if not is_single_split:
+        _combine_splits_kernel[(num_seqs, num_q_heads)](
+            partial, lse, out, num_splits, head_dim,
+            *partial_strides, *lse_strides, out.stride(0), out.stride(1),
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                               num_splits: int | None = None) -> torch.Tensor:
+    """Same contract as the Triton version (num_splits is ignored), vectorised over the batch.
+
+    Gathers every sequence's pages padded to the longest context, then a masked softmax in fp32.
+    """
+    _check_shapes(q, k_cache, v_cache, block_tables, context_lens)
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    max_context = int(context_lens.max()) if num_seqs else 0  # host sync: fine for the reference
+    if max_context == 0:
+        return torch.zeros_like(q)
+    num_blocks = -(-max_context // page_size)
+    # Entries past a sequence's context may be garbage (e.g. -1); clamp them, the mask hides them.
+    pages = block_tables[:, :num_blocks].long().clamp_(min=0)  # [S, nb]
+    k = k_cache[pages].flatten(1, 2)[:, :max_context].float()  # [S, L, Hkv, D]
+    v = v_cache[pages].flatten(1, 2)[:, :max_context].float()
+    group = num_q_heads // num_kv_heads
+    q_grouped = q.float().reshape(num_seqs, num_kv_heads, group, head_dim)  # [S, Hkv, G, D]
+    scores = torch.einsum("shgd,slhd->shgl", q_grouped, k) * scale  # [S, Hkv, G, L]
+    is_past_end = torch.arange(max_context, device=q.device) >= context_lens[:, None]  # [S, L]
+    scores.masked_fill_(is_past_end[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # A ctx-0 row is all -inf, which softmax turns into NaN: zero it, as the kernel does.
+    probs.masked_fill_((context_lens == 0)[:, None, None, None], 0.0)
+    out = torch.einsum("shgl,slhd->shgd", probs, v)  # [S, Hkv, G, D]
+    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)

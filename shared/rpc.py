@@ -1,0 +1,192 @@
+"""gRPC transport helpers shared by the services: server setup, the error-to-status mapping, channels.
+
+This is the only module of `tandem.shared` that imports grpc; the engine core never does.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from tandem.shared.errors import (
+    InvalidRequestError,
+    LayoutMismatchError,
+    OverloadedError,
+    TandemError,
+    UnavailableError,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Keepalive pings find a dead peer on an idle stream (a decode worker waiting on a long prefill, say) so
+# that the stream ends and both sides free what they hold. The server must accept pings at least as often
+# as clients send them, or it answers with GOAWAY ("too_many_pings").
+_KEEPALIVE_TIME_MS = 20_000
+_KEEPALIVE_TIMEOUT_MS = 10_000
+_MIN_PING_INTERVAL_MS = 10_000
+
+# The one table from tandem errors to gRPC status codes; the first matching class wins.
+_STATUS_OF_ERROR: tuple[tuple[type[TandemError], grpc.StatusCode], ...] = (
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+AddServicers = Callable[[grpc.aio.Server], Iterable[str]]
+_Behavior = TypeVar("_Behavior", bound=Callable[..., Any])
+
+
+def status_of(error: TandemError) -> grpc.StatusCode:
+    """The gRPC status code a tandem error is reported with (INTERNAL for an unmapped subclass)."""
+    for error_type, code in _STATUS_OF_ERROR:
+        if isinstance(error, error_type):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: TandemError) -> None:
+    code = status_of(error)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("unmapped %s: %s", type(error).__name__, error)
+    # str(InvalidRequestError) is "field: message", so the client learns which field to fix.
+    await context.abort(code, str(error))
+
+
+def map_errors(behavior: _Behavior) -> _Behavior:
+    """Wraps an aio handler so that a `TandemError` it raises ends the call with the mapped status.
+
+    Works for coroutine handlers (unary responses, or streaming through `context.write`) and for
+    async-generator handlers (streaming by `yield`); an error raised mid-stream ends the stream after the
+    messages already sent. Other exceptions pass through untouched (gRPC reports them as UNKNOWN and logs
+    them): they are bugs, not requests to reject. `ErrorMappingInterceptor` applies this to every handler.
+    """
+    if inspect.isasyncgenfunction(behavior):
+
+        @functools.wraps(behavior)
+        async def stream_wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except TandemError as error:
+                await _abort(context, error)
+
+        return stream_wrapper  # type: ignore[return-value]
+
+    if inspect.iscoroutinefunction(behavior):
+
+        @functools.wraps(behavior)
+        async def unary_wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await behavior(request, context)
+            except TandemError as error:
+                await _abort(context, error)
+
+        return unary_wrapper  # type: ignore[return-value]
+
+    # A synchronous handler runs in gRPC's executor, outside the event loop; tandem has none.
+    raise TypeError(f"map_errors needs an async handler, got {behavior!r}")
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Applies `map_errors` to every handler of the server, unary and streaming alike."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED
+            return handler
+        # Exactly one of the four behaviors is set; the wrapper must keep its kind (coroutine or async
+        # generator), since that is how grpc.aio decides how to drive it.
+        for name in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+            behavior = getattr(handler, name)
+            if behavior is not None and (
+                inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)
+            ):
+                return handler._replace(**{name: map_errors(behavior)})
+        return handler
+
+
+def _server_options(max_message_bytes: int, max_concurrent_streams: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_concurrent_streams", max_concurrent_streams),
+        ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", _MIN_PING_INTERVAL_MS),
+    ]
+
+
+async def start_server(
+    bind: str,
+    add_servicers: AddServicers,
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_concurrent_streams: int = 256,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Starts an insecure grpc.aio server with health checking and reflection.
+
+    `add_servicers(server)` registers the service implementations and returns their full names (e.g.
+    "tandem.v1.Decode"); each is marked SERVING in grpc.health.v1, as is the whole server (""), and
+    listed by server reflection. `bind` is "host:port"; port 0 picks a free port. Tandem errors raised by
+    handlers are mapped to status codes by `ErrorMappingInterceptor`, innermost, so `interceptors` (e.g.
+    tracing) see the final status. Returns the started server, the bound port and the health servicer
+    (to flip statuses, or `enter_graceful_shutdown()` before a drain).
+    """
+    server = grpc.aio.server(
+        interceptors=[*interceptors, ErrorMappingInterceptor()],
+        options=_server_options(max_message_bytes, max_concurrent_streams),
+    )
+    service_names = list(add_servicers(server))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ["", *service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflected = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(reflected, server)
+    port = server.add_insecure_port(bind)
+    if port == 0:  # older grpcio reports a failed bind this way instead of raising
+        raise OSError(f"cannot bind gRPC server to {bind!r}")
+    await server.start()
+    log.info("gRPC server on %s (port %d) serving %s", bind, port, ", ".join(service_names) or "nothing")
+    return server, port, health_servicer
+
+
+async def stop_server(
+    server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, grace_s: float
+) -> None:
+    """Drains and stops a server: reports NOT_SERVING at once, then lets calls in flight finish for up to
+    `grace_s` seconds before cancelling them."""
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+
+
+def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    """An insecure channel to "host:port" with tandem's message-size limits and keepalive pings."""
+    return grpc.aio.insecure_channel(
+        address,
+        options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # Keep pinging an idle connection: without this the client stops after two pings with no data.
+            ("grpc.http2.max_pings_without_data", 0),
+        ],
+    )
