@@ -274,6 +274,7 @@ def main() -> None:
         wanted = args.models.split(",")
         shapes = [s for s in (LLAMA_8B, LLAMA_1B) if s.name in wanted]
     import triton
+
     from tandem.kernels import get_ops
 
     torch.manual_seed(0)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from tandem.kernels import _triton
 from tandem.kernels.fused_add_rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
 from tandem.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton

@@ -10,6 +10,7 @@ context), where one program per (sequence, kv head) would leave most SMs idle.
 from __future__ import annotations
 
 import torch
+
 from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
 
 _LOG2E = 1.4426950408889634

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
 
 _LOG2E = 1.4426950408889634

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, tl, triton
 
 

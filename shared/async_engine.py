@@ -18,9 +18,14 @@ from typing import Any, TypeVar
 
 from tandem.shared.engine.engine import Engine, StepResult
 from tandem.shared.engine.request import Request
+from tandem.shared.errors import UnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class EngineFailure(UnavailableError):
+    """Delivered to a request's stream when the engine step it was part of failed."""
 
 
 @dataclass
@@ -99,6 +104,8 @@ class AsyncEngine:
             await self.call(lambda e: e.add_request(req_id, prompt_token_ids, params, prefill_only))
             while True:
                 event = await events.get()
+                if isinstance(event, EngineFailure):
+                    raise event
                 yield event
                 if isinstance(event, TokenEvent) and event.finish_reason is not None:
                     return
@@ -153,11 +160,25 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 continue
             start = time.perf_counter()
-            result = self.engine.step()
+            try:
+                result = self.engine.step()
+            except Exception as exc:  # a failed step must not strand the requests waiting on it
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(exc)
+                continue
             for request in result.requests:
                 self.publish(request)
             if self.on_step is not None:
                 self.on_step(result, time.perf_counter() - start)
+
+
+    def _fail_all(self, error: Exception) -> None:
+        failure = EngineFailure(f"engine step failed: {error}")
+        for req_id, stream in list(self._streams.items()):
+            stream.put(failure)
+            self.engine.abort(req_id)
+        for req_id in list(self.engine.requests):
+            self.engine.abort(req_id)
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

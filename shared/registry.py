@@ -26,6 +26,8 @@ from tandem.shared.errors import UnavailableError
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
+# JSON types accepted for WorkerRecord's field annotations (strings, under postponed annotations).
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,18 @@ class WorkerRecord:
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError(f"a worker record must be a JSON object, got {type(data).__name__}")
-        names = [f.name for f in fields(cls)]
-        missing = [name for name in names if name not in data]
-        if missing:
-            raise ValueError(f"worker record lacks {', '.join(missing)}")
-        return cls(**{name: data[name] for name in names})
+        values: dict[str, Any] = {}
+        for field in fields(cls):
+            if field.name not in data:
+                raise ValueError(f"worker record lacks {field.name}")
+            value = data[field.name]
+            # Checked here, at the trust boundary: a string where a count belongs would otherwise fail
+            # later, inside pick_pair, on the gateway's request path.
+            expected = _JSON_TYPES[str(field.type)]
+            if not isinstance(value, expected) or isinstance(value, bool):
+                raise ValueError(f"worker record field {field.name} must be {field.type}, got {value!r}")
+            values[field.name] = value
+        return cls(**values)
 
 
 class Registry(Protocol):

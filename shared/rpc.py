@@ -5,6 +5,7 @@ This is the only module of `tandem.shared` that imports grpc; the engine core ne
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -75,8 +76,11 @@ def map_errors(behavior: _Behavior) -> _Behavior:
         @functools.wraps(behavior)
         async def stream_wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                async for response in behavior(request, context):
-                    yield response
+                # aclosing: if the call is cancelled while this wrapper is suspended at `yield`, the
+                # handler's own clean-up (freeing KV blocks, say) runs now, not when it is collected.
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        yield response
             except TandemError as error:
                 await _abort(context, error)
 
@@ -108,15 +112,28 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED
             return handler
-        # Exactly one of the four behaviors is set; the wrapper must keep its kind (coroutine or async
-        # generator), since that is how grpc.aio decides how to drive it.
-        for name in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+        # Exactly one of the four behaviors is set. The wrapper keeps its kind (coroutine or async
+        # generator), which is how grpc.aio decides how to drive it.
+        for name, make_handler in _HANDLER_FACTORIES.items():
             behavior = getattr(handler, name)
-            if behavior is not None and (
-                inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)
-            ):
-                return handler._replace(**{name: map_errors(behavior)})
+            if behavior is None:
+                continue
+            if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+                return handler  # a sync handler (none in tandem) is left as it is
+            return make_handler(
+                map_errors(behavior),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         return handler
+
+
+_HANDLER_FACTORIES: dict[str, Callable[..., grpc.RpcMethodHandler]] = {
+    "unary_unary": grpc.unary_unary_rpc_method_handler,
+    "unary_stream": grpc.unary_stream_rpc_method_handler,
+    "stream_unary": grpc.stream_unary_rpc_method_handler,
+    "stream_stream": grpc.stream_stream_rpc_method_handler,
+}
 
 
 def _server_options(max_message_bytes: int, max_concurrent_streams: int) -> list[tuple[str, int]]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -19,6 +21,11 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     model_fingerprint: str
+
+    def fingerprint(self) -> str:
+        """Equal for exactly the workers that may exchange pages (same model, dtype and shapes)."""
+        blob = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @property
     def block_bytes_per_layer(self) -> int:

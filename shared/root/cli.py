@@ -62,6 +62,118 @@ def generate(
     sys.stdout.write("\n")
 
 
+# -- services (what compose runs) -----------------------------------------------------------------------
+HostOpt = Annotated[str, typer.Option(help="Address to bind.")]
+PortOpt = Annotated[int, typer.Option(help="gRPC port (0 picks a free one).")]
+HttpPortOpt = Annotated[int, typer.Option(help="HTTP port of /metrics (0 picks a free one).")]
+AdvertiseOpt = Annotated[str | None, typer.Option(help="host:port others reach this worker at.")]
+RedisOpt = Annotated[str | None, typer.Option(help="Redis URL of the registry (default: static addresses).")]
+ThreadsOpt = Annotated[int, typer.Option(help="torch CPU threads (0: torch's default).")]
+
+
+def _worker(role: str, model: str, host: str, port: int, http_port: int, advertise: str | None,
+            redis: str | None, device: str, threads: int, num_kv_blocks: int | None, max_model_len: int | None,
+            max_num_seqs: int, drain_s: float) -> None:
+    import asyncio
+    import logging
+
+    import torch
+
+    from tandem.shared.service import EngineOptions, ServiceOptions
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    if threads:
+        torch.set_num_threads(threads)
+    service = ServiceOptions(role=role, host=host, port=port, advertise=advertise, http_port=http_port,
+                             redis_url=redis, drain_s=drain_s)
+    engine = EngineOptions(model=model, device=device, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+                           max_num_seqs=max_num_seqs)
+    if role == "prefill":
+        from tandem.prefill_svc.server import serve
+    else:
+        from tandem.decode_svc.server import serve
+    asyncio.run(serve(service, engine))
+
+
+@app.command()
+def prefill(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: PortOpt = 50061,
+            http_port: HttpPortOpt = 8061, advertise: AdvertiseOpt = None, redis: RedisOpt = None,
+            device: DeviceOpt = "cpu", threads: ThreadsOpt = 0, num_kv_blocks: int | None = None,
+            max_model_len: int | None = None, max_num_seqs: int = 256, drain_s: float = 30.0) -> None:
+    """Run one prefill worker."""
+    _worker("prefill", model, host, port, http_port, advertise, redis, device, threads, num_kv_blocks,
+            max_model_len, max_num_seqs, drain_s)
+
+
+@app.command()
+def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: PortOpt = 50071,
+           http_port: HttpPortOpt = 8071, advertise: AdvertiseOpt = None, redis: RedisOpt = None,
+           device: DeviceOpt = "cpu", threads: ThreadsOpt = 0, num_kv_blocks: int | None = None,
+           max_model_len: int | None = None, max_num_seqs: int = 256, drain_s: float = 30.0) -> None:
+    """Run one decode worker."""
+    _worker("decode", model, host, port, http_port, advertise, redis, device, threads, num_kv_blocks,
+            max_model_len, max_num_seqs, drain_s)
+
+
+@app.command()
+def gateway(
+    model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: PortOpt = 50051,
+    http_port: HttpPortOpt = 8000, redis: RedisOpt = None,
+    prefill: Annotated[list[str] | None, typer.Option("--prefill", help="Static prefill address (repeat).")] = None,
+    decode: Annotated[list[str] | None, typer.Option("--decode", help="Static decode address (repeat).")] = None,
+    max_model_len: int | None = None, drain_s: float = 30.0,
+) -> None:
+    """Run the gateway (the public gRPC API)."""
+    import asyncio
+    import logging
+
+    from tandem.gateway.server import serve
+    from tandem.shared.service import ServiceOptions
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
+    if not redis and not decode:
+        raise typer.BadParameter("give --redis URL or at least one --decode address", param_hint="--decode")
+    service = ServiceOptions(role="gateway", host=host, port=port, http_port=http_port, redis_url=redis,
+                             drain_s=drain_s)
+    asyncio.run(serve(service, model, prefill or [], decode or [], max_model_len))
+
+
+@app.command()
+def client(
+    prompt: Annotated[str, typer.Argument(help="Prompt text (sent as a user chat message).")],
+    address: Annotated[str, typer.Option(help="Gateway gRPC address.")] = "127.0.0.1:50051",
+    max_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
+    raw: Annotated[bool, typer.Option(help="Send the prompt as plain text, without the chat template.")] = False,
+) -> None:
+    """Stream a reply from a running gateway."""
+    from tandem.gateway.client import stream_reply
+
+    stream_reply(address, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, chat=not raw)
+
+
+@app.command()
+def up(
+    model: ModelOpt = "smollm2-135m",
+    prefill: Annotated[int, typer.Option("--prefill", help="Prefill workers.")] = 1,
+    decode: Annotated[int, typer.Option("--decode", help="Decode workers.")] = 1,
+    redis: RedisOpt = None, device: DeviceOpt = "cpu",
+    threads: Annotated[int, typer.Option(help="torch threads per worker.")] = 1,
+    host: HostOpt = "127.0.0.1", port: Annotated[int, typer.Option(help="Gateway gRPC port.")] = 50051,
+    http_port: Annotated[int, typer.Option(help="Gateway HTTP port.")] = 8000,
+    num_kv_blocks: int | None = None, max_model_len: int | None = None,
+    status_file: Annotated[Path | None, typer.Option(help="Write the services as JSON here.")] = None,
+    demo: Annotated[str | None, typer.Option(help="Once up, stream a reply to this prompt.")] = None,
+    exit_after_demo: bool = False,
+) -> None:
+    """Start a gateway, N prefill and M decode workers (one process each), until Ctrl-C/SIGTERM."""
+    from tandem.launcher import Stack, StackOptions
+
+    options = StackOptions(model=model, num_prefill=prefill, num_decode=decode, redis_url=redis, device=device,
+                           threads=threads, host=host, gateway_port=port, gateway_http_port=http_port,
+                           num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, status_file=status_file)
+    raise typer.Exit(Stack(options).run(demo=demo, exit_after_demo=exit_after_demo))
+
+
 def main() -> None:
     app()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -11,6 +12,11 @@ import torch
 # imported, so the switch must be set before any test module imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    _guard = sys.modules.get("tandem.kernels._triton")
+    if _guard is not None and not _guard.IS_INTERPRETING:
+        # Another test folder imported the kernels first, compiled-mode: import them afresh.
+        for _name in [m for m in sys.modules if m.startswith("tandem.kernels")]:
+            del sys.modules[_name]
 
 from tandem.kernels import triton_available  # noqa: E402  (after the switch above, on purpose)
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
 from tandem.kernels.fused_add_rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
 from tandem.kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from tandem.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 # (T, H): one token, and token/hidden counts that are not powers of two.
 NORM_SHAPES = [(1, 64), (7, 96), (37, 200)]

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+
 from tandem.kernels import Ops, get_ops, triton_available
 from tandem.kernels import _triton as guarded_triton
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
+
 from tandem.kernels.paged_decode_attention import (
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,

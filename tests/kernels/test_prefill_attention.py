@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tandem.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 
 # (Hq, Hkv, D): a non-power-of-two GQA group, plain MHA, and a group of 4 with a ragged head_dim.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tandem.kernels.store_kv import store_kv_ref, store_kv_triton
 
 SENTINEL = 7.0

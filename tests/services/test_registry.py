@@ -65,6 +65,8 @@ def test_record_json_round_trip_ignores_unknown_fields() -> None:
         WorkerRecord.from_json('{"role": "decode", "address": "a", "model": "m", "fingerprint": "f", '
                                '"num_free_blocks": 1, "num_total_blocks": 1, "worker_id": "w", '
                                '"updated_at": 0}')
+    with pytest.raises(ValueError, match="queue_depth must be int"):
+        WorkerRecord.from_json(original.to_json().replace('"queue_depth": 3', '"queue_depth": "3"'))
     with pytest.raises(ValueError, match="role"):
         replace(original, role="gateway")
 

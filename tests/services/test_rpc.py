@@ -38,6 +38,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
+        self.closed = asyncio.Event()  # set when a "slow" stream's handler has cleaned up
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         if request.prompt in _ERRORS:
@@ -49,7 +50,10 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         yield generation_pb2.GenerateResponse(request_id=request.request_id, text="first")
         if request.prompt == "slow":
-            await self.release.wait()
+            try:
+                await self.release.wait()
+            finally:
+                self.closed.set()
         elif request.prompt == "big":
             yield generation_pb2.GenerateResponse(text="x" * _BIG)
         elif request.prompt in _ERRORS:
@@ -170,6 +174,14 @@ async def test_messages_over_grpc_default_limit_pass_both_ways(served) -> None:
     assert list(reply.token_ids) == [_BIG]
     replies = [reply async for reply in stub.Generate(generation_pb2.GenerateRequest(prompt="big"))]
     assert len(replies[1].text) == _BIG
+
+
+async def test_client_cancel_runs_the_handlers_clean_up(served) -> None:
+    generation, channel, _, _ = served
+    call = generation_pb2_grpc.GenerationStub(channel).Generate(generation_pb2.GenerateRequest(prompt="slow"))
+    assert (await call.read()).text == "first"
+    call.cancel()
+    await asyncio.wait_for(generation.closed.wait(), timeout=5.0)
 
 
 async def test_stop_server_drains_calls_in_flight(served) -> None:

@@ -1,0 +1,67 @@
+"""`tandem gateway`: the public entry point."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from tandem.gateway.servicer import GatewayModel, GenerationServicer, Router
+from tandem.shared.config import EngineConfig
+from tandem.shared.kv_transfer import layout_from_proto
+from tandem.shared.models import load_model_config, load_tokenizer
+from tandem.shared.registry import RedisRegistry, Registry, StaticRegistry, WorkerRecord
+from tandem.shared.rpc import make_channel
+from tandem.shared.service import ServiceOptions, run_service
+from tandem.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+
+class InfoProbe:
+    """Asks a worker's `Info` for its layout and load (the static registry's refresh)."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def __call__(self, role: str, address: str) -> WorkerRecord | None:
+        channel = self._channels.setdefault(address, make_channel(address))
+        stub = worker_pb2_grpc.PrefillStub(channel) if role == "prefill" else worker_pb2_grpc.DecodeStub(channel)
+        try:
+            info = await stub.Info(worker_pb2.InfoRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            return None
+        return WorkerRecord(role=role, address=address, model=info.model,
+                            fingerprint=layout_from_proto(info.layout).fingerprint(),
+                            num_free_blocks=info.num_free_blocks, num_total_blocks=info.num_total_blocks,
+                            queue_depth=info.queue_depth, worker_id=f"{role}@{address}", updated_at=time.time())
+
+
+def load_gateway_model(name: str, max_model_len: int | None, max_num_batched_tokens: int = 8192) -> GatewayModel:
+    from tandem.shared.config import SchedulerConfig
+
+    config = load_model_config(name)
+    # The same rule as the workers' engines, so the gateway rejects what they would.
+    limit = EngineConfig(model=config, scheduler=SchedulerConfig(
+        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)).max_model_len
+    return GatewayModel(name=name, config=config, max_model_len=limit, tokenizer=load_tokenizer(config))
+
+
+async def serve(service: ServiceOptions, model: str, prefill: Sequence[str], decode: Sequence[str],
+                max_model_len: int | None = None) -> None:
+    registry: Registry
+    if service.redis_url:
+        registry = RedisRegistry(service.redis_url)
+    else:
+        registry = StaticRegistry(prefill, decode, InfoProbe())
+    await registry.start()
+    router = Router(load_gateway_model(model, max_model_len), registry)
+
+    def add(server: grpc.aio.Server) -> list[str]:
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(router), server)
+        return ["tandem.v1.Generation"]
+
+    async def cleanup() -> None:
+        await router.close()
+        await registry.stop()
+
+    await run_service(service, add, cleanup=cleanup)

@@ -1,0 +1,230 @@
+"""The public `tandem.v1.Generation` service: validate, template, tokenize, route, detokenize.
+
+The gateway owns text: decode workers stream token ids; the gateway turns them into text, matches stop
+strings, and on a stop cancels the request on decode, so no compute is spent past it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from tandem.shared import metrics
+from tandem.shared.config import ModelConfig
+from tandem.shared.detokenizer import IncrementalDetokenizer
+from tandem.shared.engine.sampling_params import SamplingParams
+from tandem.shared.errors import InvalidRequestError, UnavailableError
+from tandem.shared.models import apply_chat_template
+from tandem.shared.registry import Registry, pick_pair
+from tandem.shared.rpc import make_channel
+from tandem.shared.wire import (
+    finish_reason_from_proto,
+    finish_reason_to_proto,
+    sampling_from_public,
+    sampling_to_worker,
+    with_resolved_seed,
+)
+from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatewayModel:
+    """The served model as the gateway knows it: its name, shape limits and tokenizer."""
+
+    name: str
+    config: ModelConfig
+    max_model_len: int
+    tokenizer: Any
+
+
+@dataclass
+class Completion:
+    """One request's progress as the gateway tracks it (shared with the HTTP API)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str | None = None
+    time_to_first_token_s: float = 0.0
+    e2e_s: float = 0.0
+
+
+class Router:
+    """Routes token-level requests to a decode worker and yields (new token ids, new text) chunks.
+
+    Used by the gRPC servicer and by the OpenAI-compatible HTTP API alike.
+    """
+
+    def __init__(self, model: GatewayModel, registry: Registry) -> None:
+        self.model = model
+        self.registry = registry
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def prompt_ids(self, prompt: str | None = None, token_ids: list[int] | None = None,
+                   messages: list[dict[str, str]] | None = None) -> list[int]:
+        """Exactly one input → the prompt's token ids (validated against the vocabulary)."""
+        tokenizer = self.model.tokenizer
+        if messages is not None:
+            if not messages:
+                raise InvalidRequestError("messages", "must not be empty")
+            ids = apply_chat_template(tokenizer, messages)
+        elif prompt is not None:
+            ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        elif token_ids is not None:
+            ids = list(token_ids)
+        else:
+            raise InvalidRequestError("input", "one of prompt, prompt_token_ids or messages is required")
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        limit = self.model.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError("prompt", f"is {len(ids)} tokens; the context length is {limit}")
+        return ids
+
+    def check_model(self, name: str) -> None:
+        if name and name != self.model.name:
+            raise InvalidRequestError("model", f"unknown model {name!r}; this gateway serves {self.model.name!r}")
+
+    async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     timeout: float | None = None) -> AsyncIterator[tuple[list[int], str, Completion]]:
+        """Yield (new token ids, new text, progress) as decode streams; the last has finish_reason set."""
+        limit = self.model.max_model_len
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise InvalidRequestError("max_tokens", f"{params.max_tokens} plus the {len(prompt_ids)}-token "
+                                                    f"prompt exceeds the context length {limit}")
+        params = with_resolved_seed(params)
+        arrival = time.perf_counter()
+        prefill, decode = pick_pair(await self.registry.workers("prefill"), await self.registry.workers("decode"),
+                                    None)
+        detok = IncrementalDetokenizer(self.model.tokenizer, prompt_ids, stop=params.stop,
+                                       skip_special_tokens=params.skip_special_tokens)
+        progress = Completion(request_id, prompt_ids, [])
+        stub = worker_pb2_grpc.DecodeStub(self._channel(decode.address))
+        call = stub.Generate(worker_pb2.DecodeRequest(
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_worker(params),
+            prefill_address=prefill.address if prefill is not None else ""), timeout=timeout)
+        try:
+            async for response in call:
+                if not progress.token_ids:
+                    progress.time_to_first_token_s = time.perf_counter() - arrival
+                new_ids = list(response.token_ids)
+                text = detok.push(new_ids)
+                if detok.stopped:
+                    # Only the tokens up to the one completing the stop string count.
+                    new_ids = new_ids[:detok.num_tokens_used - len(progress.token_ids)]
+                    progress.finish_reason = "stop"
+                elif response.finish_reason:
+                    progress.finish_reason = finish_reason_from_proto(response.finish_reason)
+                    text += detok.finish()
+                progress.token_ids += new_ids
+                progress.text += text
+                if progress.finish_reason is not None:
+                    progress.e2e_s = time.perf_counter() - arrival
+                    _observe(progress)
+                    yield new_ids, text, progress
+                    return
+                yield new_ids, text, progress
+            raise UnavailableError(f"decode worker {decode.address} ended the stream early")
+        except grpc.aio.AioRpcError as error:
+            if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise _passthrough(error) from None
+            metrics.REQUESTS.labels(status="error").inc()
+            raise UnavailableError(f"decode worker {decode.address}: {error.details()}") from None
+        finally:
+            # A stop string, a client cancel or an error: decode frees the request's blocks at once.
+            call.cancel()
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = make_channel(address)
+        return self._channels[address]
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+
+
+class _PassthroughError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+def _passthrough(error: grpc.aio.AioRpcError) -> Exception:
+    if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        details = error.details() or ""
+        field, _, message = details.partition(": ")
+        return InvalidRequestError(field, message)
+    return _PassthroughError(error.code(), error.details() or "")
+
+
+def _observe(progress: Completion) -> None:
+    metrics.TIME_TO_FIRST_TOKEN.observe(progress.time_to_first_token_s)
+    metrics.E2E_LATENCY.observe(progress.e2e_s)
+    if len(progress.token_ids) > 1:
+        metrics.TIME_PER_OUTPUT_TOKEN.observe(
+            (progress.e2e_s - progress.time_to_first_token_s) / (len(progress.token_ids) - 1))
+    metrics.REQUESTS.labels(status=progress.finish_reason or "unknown").inc()
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def _prompt_ids(self, message: Any) -> list[int]:
+        kind = message.WhichOneof("input")
+        if kind == "prompt":
+            return self.router.prompt_ids(prompt=message.prompt)
+        if kind == "prompt_token_ids":
+            return self.router.prompt_ids(token_ids=list(message.prompt_token_ids.ids))
+        if kind == "messages":
+            return self.router.prompt_ids(messages=[{"role": m.role, "content": m.content}
+                                                    for m in message.messages.messages])
+        return self.router.prompt_ids()
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        self.router.check_model(request.model)
+        prompt_ids = self._prompt_ids(request)
+        params = sampling_from_public(request.sampling)
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        try:
+            async for new_ids, text, progress in self.router.stream(request_id, prompt_ids, params,
+                                                                     timeout=context.time_remaining()):
+                response = generation_pb2.GenerateResponse(request_id=request_id, text=text, token_ids=new_ids)
+                if progress.finish_reason is not None:
+                    response.finish_reason = finish_reason_to_proto(progress.finish_reason)
+                    response.usage.prompt_tokens = len(prompt_ids)
+                    response.usage.completion_tokens = len(progress.token_ids)
+                    response.timing.time_to_first_token_s = progress.time_to_first_token_s
+                    response.timing.e2e_s = progress.e2e_s
+                yield response
+        except _PassthroughError as error:
+            await context.abort(error.code, error.details)
+
+    async def Tokenize(self, request: generation_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
+        self.router.check_model(request.model)
+        return generation_pb2.TokenizeResponse(token_ids=self._prompt_ids(request))
+
+    async def ListModels(self, request: generation_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> generation_pb2.ListModelsResponse:
+        model = self.router.model
+        card = generation_pb2.ModelCard(id=model.name, max_model_len=model.max_model_len,
+                                        vocab_size=model.config.vocab_size)
+        return generation_pb2.ListModelsResponse(models=[card])

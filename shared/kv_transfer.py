@@ -1,0 +1,72 @@
+"""KV pages over gRPC: the layout check, tensors ↔ `KVPages` messages (raw bytes + CRC32).
+
+Pages travel as raw little-endian tensor bytes (no per-element protobuf encoding), chunked by blocks
+so that each message stays well under the channel's message-size limit.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import torch
+
+from tandem.shared.engine.kv_cache import KVLayout
+from tandem.shared.errors import LayoutMismatchError
+from tandem.v1 import worker_pb2
+
+# Each KVPages message carries at most this many bytes of K plus V.
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def layout_to_proto(layout: KVLayout) -> worker_pb2.KVLayout:
+    return worker_pb2.KVLayout(dtype=layout.dtype, block_size=layout.block_size, num_layers=layout.num_layers,
+                               num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                               model_fingerprint=layout.model_fingerprint)
+
+
+def layout_from_proto(message: worker_pb2.KVLayout) -> KVLayout:
+    return KVLayout(dtype=message.dtype, block_size=message.block_size, num_layers=message.num_layers,
+                    num_kv_heads=message.num_kv_heads, head_dim=message.head_dim,
+                    model_fingerprint=message.model_fingerprint)
+
+
+def check_layout(mine: KVLayout, theirs: KVLayout) -> None:
+    """Refuse to exchange pages between different layouts, naming every field that differs."""
+    if mine == theirs:
+        return
+    diffs = [f"{name}: ours {getattr(mine, name)!r}, theirs {getattr(theirs, name)!r}"
+             for name in mine.__dataclass_fields__ if getattr(mine, name) != getattr(theirs, name)]
+    raise LayoutMismatchError("KV layout mismatch (" + "; ".join(diffs) + ")")
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    # Viewed as bytes first: numpy has no bfloat16, and this keeps the copy a plain memcpy.
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def pages_to_messages(layer: int, k: torch.Tensor, v: torch.Tensor,
+                      max_chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[worker_pb2.KVPages]:
+    """One layer's pages ([num_blocks, block_size, Hkv, D] each, on the CPU) as chunked messages."""
+    num_blocks = k.shape[0]
+    block_bytes = 2 * k[0].numel() * k.element_size()
+    per_chunk = max(1, max_chunk_bytes // block_bytes)
+    for start in range(0, num_blocks, per_chunk):
+        k_bytes = _raw_bytes(k[start:start + per_chunk])
+        v_bytes = _raw_bytes(v[start:start + per_chunk])
+        yield worker_pb2.KVPages(layer=layer, block_start=start, num_blocks=min(per_chunk, num_blocks - start),
+                                 k=k_bytes, v=v_bytes, crc32=zlib.crc32(v_bytes, zlib.crc32(k_bytes)))
+
+
+def messages_to_pages(message: worker_pb2.KVPages, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the checksum and the size, and view the bytes as K and V tensors on the CPU."""
+    if zlib.crc32(message.v, zlib.crc32(message.k)) != message.crc32:
+        raise ValueError(f"KV pages of layer {message.layer} failed their CRC32 check")
+    dtype = getattr(torch, layout.dtype)
+    shape = (message.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    expected = message.num_blocks * layout.block_bytes_per_layer
+    if len(message.k) != expected or len(message.v) != expected:
+        raise ValueError(f"KV pages of layer {message.layer}: {len(message.k)} bytes, expected {expected}")
+    k = torch.frombuffer(bytearray(message.k), dtype=torch.uint8).view(dtype).view(shape)
+    v = torch.frombuffer(bytearray(message.v), dtype=torch.uint8).view(dtype).view(shape)
+    return k, v

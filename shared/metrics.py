@@ -1,0 +1,47 @@
+"""Prometheus metrics, defined once; every service exports them on its HTTP port at `/metrics`.
+
+Names and units follow Prometheus conventions (`_seconds`, `_total`); which service sets which is in
+docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+
+TIME_TO_FIRST_TOKEN = Histogram("tandem_time_to_first_token_seconds", "Time from arrival to the first token",
+                                buckets=_LATENCY_BUCKETS)
+TIME_PER_OUTPUT_TOKEN = Histogram("tandem_time_per_output_token_seconds",
+                                  "Mean time per output token after the first, per request",
+                                  buckets=_TOKEN_BUCKETS)
+E2E_LATENCY = Histogram("tandem_e2e_request_latency_seconds", "Time from arrival to the last token",
+                        buckets=_LATENCY_BUCKETS)
+REQUESTS = Counter("tandem_requests", "Requests ended, by status", ["status"])
+QUEUE_DEPTH = Gauge("tandem_queue_depth", "Requests waiting to be scheduled")
+KV_BLOCKS_TOTAL = Gauge("tandem_kv_blocks_total", "KV cache blocks in the pool")
+KV_BLOCKS_FREE = Gauge("tandem_kv_blocks_free", "KV cache blocks free to allocate")
+KV_TRANSFER_BYTES = Counter("tandem_kv_transfer_bytes", "KV page bytes shipped or received")
+KV_TRANSFER_SECONDS = Histogram("tandem_kv_transfer_seconds", "Time to move one request's KV pages",
+                                buckets=_LATENCY_BUCKETS)
+KV_TRANSFER_FAILURES = Counter("tandem_kv_transfer_failures", "KV transfers that failed")
+LOCAL_PREFILL_TOKENS = Counter("tandem_decode_local_prefill_tokens",
+                               "Prompt tokens a decode worker prefilled itself (no prefill worker)")
+BATCH_SIZE = Histogram("tandem_batch_size", "Requests per engine step",
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+
+
+def track_pool(num_total: Callable[[], int], num_free: Callable[[], int], queue_depth: Callable[[], int]) -> None:
+    """Read the engine's pool and queue at scrape time (no bookkeeping on the hot path)."""
+    KV_BLOCKS_TOTAL.set_function(num_total)
+    KV_BLOCKS_FREE.set_function(num_free)
+    QUEUE_DEPTH.set_function(queue_depth)
+
+
+def serve_metrics(port: int, host: str = "0.0.0.0") -> int:
+    """Start the `/metrics` HTTP server in a thread; returns the bound port (0 picks one)."""
+    server, _ = start_http_server(port, addr=host)
+    return int(server.server_port)

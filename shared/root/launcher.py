@@ -1,0 +1,212 @@
+"""`tandem up`: the whole stack on one machine, each service its own `tandem <role>` process.
+
+The processes are started with exactly the commands compose runs; the launcher only picks ports,
+waits for every service to report SERVING over grpc.health.v1, prints where each one is, and stops
+them all on Ctrl-C or SIGTERM. A worker that dies is reported, and the others keep serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    redis_url: str | None = None
+    device: str = "cpu"
+    threads: int = 1
+    host: str = "127.0.0.1"
+    gateway_port: int = 50051
+    gateway_http_port: int = 8000
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
+    status_file: Path | None = None
+    log_dir: Path | None = None
+    startup_timeout_s: float = 600.0
+
+
+@dataclass
+class Service:
+    role: str
+    grpc: str
+    http: str
+    command: list[str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    reported_exit: bool = field(default=False)
+
+    def as_json(self) -> dict[str, object]:
+        assert self.process is not None
+        return {"role": self.role, "pid": self.process.pid, "grpc": self.grpc, "http": self.http}
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def is_serving(address: str, timeout_s: float = 1.0) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class Stack:
+    def __init__(self, options: StackOptions) -> None:
+        self.options = options
+        self.services: list[Service] = []
+        self._stopping = False
+
+    def _plan(self) -> None:
+        o = self.options
+        log_dir = o.log_dir or Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem")) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        base = [sys.executable, "-m", "tandem.cli"]
+        common = ["--model", o.model]
+        if o.redis_url:
+            common += ["--redis", o.redis_url]
+        engine_flags = ["--device", o.device, "--threads", str(o.threads)]
+        if o.num_kv_blocks:
+            engine_flags += ["--num-kv-blocks", str(o.num_kv_blocks)]
+        if o.max_model_len:
+            engine_flags += ["--max-model-len", str(o.max_model_len)]
+        workers: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for role, count in (("prefill", o.num_prefill), ("decode", o.num_decode)):
+            for i in range(count):
+                port, http_port = free_port(o.host), free_port(o.host)
+                address = f"{o.host}:{port}"
+                workers[role].append(address)
+                self.services.append(Service(
+                    role, address, f"http://{o.host}:{http_port}",
+                    base + [role, *common, *engine_flags, "--host", o.host, "--port", str(port),
+                            "--http-port", str(http_port)],
+                    log_dir / f"{role}-{i}.log"))
+        gateway = base + ["gateway", *common, "--host", o.host, "--port", str(o.gateway_port),
+                          "--http-port", str(o.gateway_http_port)]
+        if o.max_model_len:
+            gateway += ["--max-model-len", str(o.max_model_len)]
+        if not o.redis_url:
+            for address in workers["prefill"]:
+                gateway += ["--prefill", address]
+            for address in workers["decode"]:
+                gateway += ["--decode", address]
+        self.services.insert(0, Service("gateway", f"{o.host}:{o.gateway_port}",
+                                        f"http://{o.host}:{o.gateway_http_port}", gateway, log_dir / "gateway.log"))
+
+    def _spawn(self, service: Service) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with service.log_path.open("wb") as log:
+            service.process = subprocess.Popen(service.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                               stdin=subprocess.DEVNULL)
+
+    def start(self) -> None:
+        """Workers first, then the gateway, so its first look at the registry finds them up."""
+        from tqdm import tqdm
+
+        self._plan()
+        gateway, workers = self.services[0], self.services[1:]
+        with tqdm(total=len(self.services), desc="starting services", unit="svc", file=sys.stderr) as bar:
+            for service in workers:
+                self._spawn(service)
+            self._wait_healthy(workers, bar)
+            self._spawn(gateway)
+            self._wait_healthy([gateway], bar)
+
+    def _wait_healthy(self, services: list[Service], bar: Any) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        pending = list(services)
+        while pending:
+            for service in list(pending):
+                assert service.process is not None
+                if service.process.poll() is not None:
+                    raise RuntimeError(f"{service.role} exited with {service.process.returncode} during "
+                                       f"start-up; see {service.log_path}")
+                if is_serving(service.grpc):
+                    pending.remove(service)
+                    bar.update()
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"not healthy after {self.options.startup_timeout_s:.0f} s: "
+                                   + ", ".join(s.role for s in pending))
+            time.sleep(0.2)
+
+    def report(self) -> None:
+        for service in self.services:
+            assert service.process is not None
+            print(f"{service.role:<8} pid={service.process.pid:<7} grpc={service.grpc:<21} http={service.http}"
+                  f"  log={service.log_path}", flush=True)
+        if self.options.status_file is not None:
+            status = {"services": [s.as_json() for s in self.services]}
+            self.options.status_file.write_text(json.dumps(status, indent=2) + "\n")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        self._stopping = True
+        for service in self.services:
+            if service.process is not None and service.process.poll() is None:
+                service.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for service in self.services:
+            if service.process is None:
+                continue
+            try:
+                service.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                service.process.kill()
+                service.process.wait()
+
+    def watch(self) -> None:
+        """Until a signal: report (once) any service that died; the rest keep serving."""
+        while not self._stopping:
+            for service in self.services:
+                assert service.process is not None
+                code = service.process.poll()
+                if code is not None and not service.reported_exit:
+                    service.reported_exit = True
+                    print(f"{service.role} pid={service.process.pid} exited with {code}; see {service.log_path}",
+                          file=sys.stderr, flush=True)
+            time.sleep(0.5)
+
+    def run(self, demo: str | None = None, exit_after_demo: bool = False) -> int:
+        def on_signal(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, on_signal)
+        try:
+            self.start()
+            self.report()
+            if demo is not None:
+                from tandem.gateway.client import stream_reply
+
+                print(f"\n> {demo}", flush=True)
+                stream_reply(self.services[0].grpc, demo, max_tokens=64, temperature=0.0)
+                if exit_after_demo:
+                    return 0
+            print("\nthe stack is up; Ctrl-C stops it", file=sys.stderr, flush=True)
+            self.watch()
+        except KeyboardInterrupt:
+            pass
+        except (RuntimeError, TimeoutError) as error:
+            print(f"tandem up: {error}", file=sys.stderr)
+            return 1
+        finally:
+            self.stop()
+        return 0
