@@ -119,7 +119,8 @@ def build_cases(shape: ModelShape, workload: Workload, dtype: torch.dtype, devic
                           outputs=lambda args, result: [args[2], args[3]]))
     seq_lens = workload.prefill_seq_lens
     num_tokens = sum(seq_lens)
-    cu_seqlens = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    bounds = [0, *torch.tensor(seq_lens).cumsum(0).tolist()]
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
     causal_pairs = sum(n * (n + 1) // 2 for n in seq_lens)
     cases.append(Case(shape.name, "prefill_attention", f"{len(seq_lens)}x{max(seq_lens)}",
                       lambda: (randn(num_tokens, Hq, D), randn(num_tokens, Hkv, D), randn(num_tokens, Hkv, D),
@@ -160,7 +161,8 @@ class Timer:
         self.device, self.warmup, self.iters = device, warmup, iters
         # 256 MB > the H200's 60 MB L2. Its memset also runs ahead of the timed launch, so the events
         # bracket GPU time, not Python launch overhead.
-        self.flush = torch.empty(64 << 20, dtype=torch.float32, device=device) if device.type == "cuda" else None
+        is_cuda = device.type == "cuda"
+        self.flush = torch.empty(64 << 20, dtype=torch.float32, device=device) if is_cuda else None
 
     def __call__(self, fn: Callable[[], Any]) -> float:
         for _ in range(self.warmup):
@@ -184,7 +186,8 @@ class Timer:
         return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def compare(expected: list[torch.Tensor], actual: list[torch.Tensor], dtype: torch.dtype) -> tuple[float, bool]:
+def compare(expected: list[torch.Tensor], actual: list[torch.Tensor],
+            dtype: torch.dtype) -> tuple[float, bool]:
     """Largest absolute error over all outputs, and whether all are within the dtype's tolerance."""
     tol = TOLERANCES[dtype]
     max_err, is_ok = 0.0, True
@@ -254,12 +257,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="JSON results file")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, tiny shapes, kernels in Triton's interpreter: checks the harness only")
-    parser.add_argument("--iters", type=int, default=None, help="timed runs per impl (default 100; dry run 2)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 10; dry run 1)")
+    parser.add_argument("--iters", type=int, default=None, help="timed runs per impl (100; dry run 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed runs first (10; dry run 1)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile(reference)")
     parser.add_argument("--models", default="llama-3.1-8b,llama-3.2-1b")
     args = parser.parse_args()
@@ -292,7 +296,8 @@ def main() -> None:
                 impls["compiled"] = compiled.get(case.op, impls["torch"])
                 start = time.perf_counter()
                 rows.append(run_case(case, impls, timer, dtype, errors))
-                print(f"{case.model} {case.op} {case.label}: {time.perf_counter() - start:.1f}s", file=sys.stderr)
+                elapsed = time.perf_counter() - start
+                print(f"{case.model} {case.op} {case.label}: {elapsed:.1f}s", file=sys.stderr, flush=True)
     report = {
         "benchmark": "kernels",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

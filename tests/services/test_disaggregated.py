@@ -1,0 +1,180 @@
+"""Prefill and decode services in-process, over real grpc.aio servers on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.decode_svc.servicer import DecodeServicer
+from tandem.prefill_svc.servicer import PrefillServicer
+from tandem.shared.async_engine import AsyncEngine
+from tandem.shared.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.shared.engine.engine import Engine
+from tandem.shared.kv_transfer import layout_to_proto
+from tandem.shared.models import load_model_config
+from tandem.shared.rpc import make_channel, start_server
+from tandem.shared.wire import sampling_to_worker
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tests.factories import prompts_for, save_random_hf_model
+
+
+def engine_config(folder: Path, block_size: int = 4) -> EngineConfig:
+    return EngineConfig(model=load_model_config(str(folder), fetch=False),
+                        cache=CacheConfig(block_size=block_size, num_blocks=64),
+                        scheduler=SchedulerConfig(max_model_len=128, max_num_batched_tokens=256))
+
+
+@dataclass
+class Worker:
+    engine: AsyncEngine
+    address: str
+    server: grpc.aio.Server
+
+
+async def start_worker(role: str, config: EngineConfig) -> Worker:
+    engine = AsyncEngine(Engine(config), name=f"test-{role}")
+    servicer: PrefillServicer | DecodeServicer
+    if role == "prefill":
+        servicer = PrefillServicer(engine, "test")
+        add = worker_pb2_grpc.add_PrefillServicer_to_server
+    else:
+        servicer = DecodeServicer(engine, "test")
+        add = worker_pb2_grpc.add_DecodeServicer_to_server
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        add(servicer, server)  # type: ignore[arg-type]
+        return [f"tandem.v1.{role.capitalize()}"]
+
+    server, port, _ = await start_server("127.0.0.1:0", register)
+    return Worker(engine, f"127.0.0.1:{port}", server)
+
+
+@pytest.fixture
+def model_folder(tmp_path: Path) -> Path:
+    save_random_hf_model(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+async def workers(model_folder: Path) -> AsyncIterator[tuple[Worker, Worker]]:
+    prefill = await start_worker("prefill", engine_config(model_folder))
+    decode = await start_worker("decode", engine_config(model_folder))
+    yield prefill, decode
+    for worker in (prefill, decode):
+        await worker.server.stop(0)
+        worker.engine.close()
+
+
+def decode_request(req_id: str, prompt: list[int], prefill_address: str, max_tokens: int = 12
+                   ) -> worker_pb2.DecodeRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, seed=0)
+    return worker_pb2.DecodeRequest(request_id=req_id, prompt_token_ids=prompt,
+                                    sampling=sampling_to_worker(params), prefill_address=prefill_address)
+
+
+def reference_tokens(folder: Path, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+    llm = LLM(str(folder), max_model_len=128, max_num_batched_tokens=256, block_size=4)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [o.token_ids for o in outputs]
+
+
+async def generate(decode: Worker, request: worker_pb2.DecodeRequest) -> tuple[list[int], int]:
+    """Token ids of one decode stream, and how many prompt tokens decode prefilled itself."""
+    stub = worker_pb2_grpc.DecodeStub(make_channel(decode.address))
+    tokens: list[int] = []
+    local = -1
+    async for response in stub.Generate(request):
+        if local < 0:
+            local = response.num_local_prefill_tokens
+        tokens += response.token_ids
+    return tokens, local
+
+
+async def test_pages_land_bit_identical_in_the_decode_pool(workers: tuple[Worker, Worker],
+                                                           model_folder: Path) -> None:
+    prefill, decode = workers
+    prompt = prompts_for(512, [37])[0]  # 10 blocks of 4, the last one partial
+    # The same prompt prefilled by a colocated engine on the same weights: the expected pages.
+    reference = Engine(engine_config(model_folder))
+    held = reference.add_request("ref", prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True)
+    reference.step()
+    expected = [reference.read_pages(held, layer) for layer in range(2)]
+
+    # Read the decode pool at the moment the request joins the batch (pages in, first token known).
+    landed: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    engine = decode.engine.engine
+    activate = engine.activate
+
+    def capture_then_activate(request, token_id: int, logprob: float) -> None:  # type: ignore[no-untyped-def]
+        landed.append([engine.read_pages(request, layer) for layer in range(2)])
+        activate(request, token_id, logprob)
+
+    engine.activate = capture_then_activate  # type: ignore[method-assign]
+    tokens, local = await generate(decode, decode_request("r1", prompt, prefill.address))
+    assert local == 0
+    assert len(landed) == 1
+    for (k, v), (k_ref, v_ref) in zip(landed[0], expected, strict=True):
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    assert tokens == reference_tokens(model_folder, [prompt])[0]
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+async def test_concurrent_requests_match_in_process_generation(workers: tuple[Worker, Worker],
+                                                               model_folder: Path) -> None:
+    import asyncio
+
+    prefill, decode = workers
+    prompts = prompts_for(512, [3, 17, 29, 8, 40])
+    results = await asyncio.gather(*(generate(decode, decode_request(f"c{i}", p, prefill.address))
+                                     for i, p in enumerate(prompts)))
+    assert [tokens for tokens, _ in results] == reference_tokens(model_folder, prompts)
+    assert all(local == 0 for _, local in results)
+
+
+async def test_unreachable_prefill_worker_means_local_prefill(workers: tuple[Worker, Worker],
+                                                              model_folder: Path) -> None:
+    _, decode = workers
+    prompt = prompts_for(512, [21])[0]
+    tokens, local = await generate(decode, decode_request("x", prompt, "127.0.0.1:1"))
+    assert tokens == reference_tokens(model_folder, [prompt])[0]
+    assert local == len(prompt)
+    engine = decode.engine.engine
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+async def test_mismatched_layout_is_refused(workers: tuple[Worker, Worker], model_folder: Path) -> None:
+    prefill, _ = workers
+    other = Engine(engine_config(model_folder, block_size=8)).layout
+    stub = worker_pb2_grpc.PrefillStub(make_channel(prefill.address))
+    params = SamplingParams(max_tokens=4, temperature=0.0, seed=0)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in stub.Prefill(worker_pb2.PrefillRequest(
+                request_id="m", prompt_token_ids=[5, 6, 7], sampling=sampling_to_worker(params),
+                layout=layout_to_proto(other))):
+            pass
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "block_size: ours 4, theirs 8" in (info.value.details() or "")
+
+
+async def test_cancel_frees_the_blocks_on_decode(workers: tuple[Worker, Worker]) -> None:
+    import asyncio
+
+    prefill, decode = workers
+    stub = worker_pb2_grpc.DecodeStub(make_channel(decode.address))
+    call = stub.Generate(decode_request("cancel-me", prompts_for(512, [30])[0], prefill.address, max_tokens=90))
+    async for _ in call:
+        break
+    call.cancel()
+    engine = decode.engine.engine
+    for _ in range(100):
+        if engine.num_free_blocks == engine.num_total_blocks:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.num_free_blocks == engine.num_total_blocks
+    engine.block_pool.check_integrity()
