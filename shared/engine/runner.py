@@ -71,15 +71,15 @@ class ModelRunner:
                 on_layer_done: Callable[[int], None] | None = None) -> tuple[list[int], list[float]]:
         """Run one step and return each request's new token id and its logprob (host lists)."""
         if output.is_prefill:
-            logits = self._prefill(output.requests, on_layer_done)
+            logits = self.prefill_logits(output.requests, on_layer_done)
         else:
-            logits = self._decode(output.requests)
+            logits = self.decode_logits(output.requests)
         tensors = SamplingTensors.from_requests(output.requests, self.device)
         token_ids, logprobs = sample(logits, tensors)
         # The one host sync per step: the scheduler needs the tokens to apply stop rules.
         return token_ids.tolist(), logprobs.tolist()
 
-    def _prefill(self, requests: list[Request],
+    def prefill_logits(self, requests: list[Request],
                  on_layer_done: Callable[[int], None] | None) -> torch.Tensor:
         input_ids: list[int] = []
         positions: list[int] = []
@@ -103,7 +103,7 @@ class ModelRunner:
         last = self._to_device([end - 1 for end in cu_seqlens[1:]], torch.int64)
         return self.model.compute_logits(hidden[last])
 
-    def _decode(self, requests: list[Request]) -> torch.Tensor:
+    def decode_logits(self, requests: list[Request]) -> torch.Tensor:
         inputs = self.prepare_decode(requests)
         if self.graphs is not None and self.graphs.can_run(len(requests)):
             return self.graphs.run(inputs)

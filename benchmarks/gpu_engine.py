@@ -1,0 +1,336 @@
+"""Engine-level GPU checks and benchmarks (run on one H200; `--dry-run` exercises the code on CPU).
+
+    python -m tandem.benchmarks.gpu_engine correctness --out DIR
+    python -m tandem.benchmarks.gpu_engine decode-latency --out DIR
+    python -m tandem.benchmarks.gpu_engine offline --out DIR
+    python -m tandem.benchmarks.gpu_engine hf --mode static|batch --out DIR
+
+Each writes `<command>.json` under DIR and prints a short table last. Weights are random (`dummy:`)
+of real shapes; correctness compares the Triton path with the pure-torch reference on the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tandem.kernels import get_ops
+from tandem.shared.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.shared.engine.block_pool import BlockPool
+from tandem.shared.engine.request import Request
+from tandem.shared.engine.runner import ModelRunner
+from tandem.shared.engine.sampling_params import SamplingParams
+from tandem.shared.engine.scheduler import num_blocks_for
+from tandem.shared.models import load_model_config
+
+HBM_BYTES_PER_S = 4.25e12  # copy bandwidth measured on one H200 (PERFORMANCE guide)
+
+
+def environment() -> dict[str, Any]:
+    import transformers
+
+    env: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, min(vocab, 49152)) for _ in range(length)] for _ in range(num)]
+
+
+def engine_config(model: str, device: str, *, max_model_len: int, max_num_seqs: int = 256,
+                  num_blocks: int | None = None, use_triton: bool = True, use_cuda_graphs: bool = True,
+                  max_num_batched_tokens: int = 8192) -> EngineConfig:
+    return EngineConfig(
+        model=load_model_config(model, fetch=False),
+        cache=CacheConfig(num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                  max_num_batched_tokens=max(max_num_batched_tokens, max_model_len)),
+        device=device, use_triton=use_triton, use_cuda_graphs=use_cuda_graphs)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- correctness: kernel path against the reference path, same weights ---------------------------------
+def teacher_forced(runner: ModelRunner, prompts: list[list[int]], num_steps: int,
+                   forced: list[list[int]] | None = None) -> tuple[torch.Tensor, list[list[int]]]:
+    """Logits [B, num_steps + 1, V] (float32, on the CPU) of each prompt followed by `forced` tokens,
+    or, without `forced`, by its own greedy continuation; also returns the tokens fed."""
+    pool = BlockPool(runner.kv_cache.num_blocks)
+    bs = runner.block_size
+    requests = []
+    for i, prompt in enumerate(prompts):
+        r = Request(req_id=str(i), prompt_token_ids=prompt, params=SamplingParams(max_tokens=1), seed=0)
+        r.block_ids = pool.allocate(num_blocks_for(len(prompt), bs))
+        requests.append(r)
+    fed: list[list[int]] = [[] for _ in prompts]
+    with torch.inference_mode():
+        steps = [runner.prefill_logits(requests, None).float().cpu()]
+        for n in range(num_steps):
+            for i, r in enumerate(requests):
+                token = forced[i][n] if forced is not None else int(steps[-1][i].argmax())
+                fed[i].append(token)
+                r.output_token_ids.append(token)
+                if num_blocks_for(r.num_tokens, bs) > len(r.block_ids):
+                    r.block_ids += pool.allocate(1)
+            steps.append(runner.decode_logits(requests).float().cpu())
+    return torch.stack(steps, dim=1), fed
+
+
+def correctness(args: argparse.Namespace) -> dict[str, Any]:
+    model = "dummy:tiny" if args.dry_run else args.model
+    lengths = [5, 17] if args.dry_run else [17, 100, 250, 33]
+    num_steps = 8 if args.dry_run else args.steps
+    max_len = max(lengths) + num_steps + 1
+    prompts = random_prompts(len(lengths), max(lengths), 49152)
+    prompts = [p[:n] for p, n in zip(prompts, lengths, strict=True)]
+    results: dict[str, Any] = {"model": model, "prompt_lens": lengths, "num_steps": num_steps}
+    runners = {}
+    for backend in ("torch", "triton"):
+        config = engine_config(model, args.device, max_model_len=max_len + 16, max_num_seqs=8,
+                               num_blocks=4 * num_blocks_for(max_len + 16, 16), use_triton=backend == "triton")
+        runner = ModelRunner(config, ops=get_ops(backend))
+        runners[backend] = runner
+    ref_runner, kernel_runner = runners["torch"], runners["triton"]
+    # Same seed on the same device: the same weights. Check it rather than assume it.
+    for (name, a), (_, b) in zip(ref_runner.model.named_parameters(), kernel_runner.model.named_parameters(),
+                                 strict=True):
+        assert torch.equal(a, b), f"weights differ at {name}"
+    # The reference's own greedy continuation is the forced sequence for both paths.
+    ref_logits, forced = teacher_forced(ref_runner, prompts, num_steps)
+    kernel_logits, _ = teacher_forced(kernel_runner, prompts, num_steps, forced)
+    diff = (kernel_logits - ref_logits).abs()
+    top2 = ref_logits.topk(2, dim=-1).values
+    gap = top2[..., 0] - top2[..., 1]
+    mismatch = kernel_logits.argmax(-1) != ref_logits.argmax(-1)
+    tie_threshold = 0.0 if args.dry_run else args.tie_threshold
+    results.update({
+        "max_abs_logit_diff": diff.max().item(),
+        "mean_abs_logit_diff": diff.mean().item(),
+        "logit_std": ref_logits.std().item(),
+        "positions": int(mismatch.numel()),
+        "argmax_mismatches": int(mismatch.sum().item()),
+        # A flip where the reference's top two are closer than bf16 rounding is not an error.
+        "argmax_mismatches_outside_ties": int((mismatch & (gap > tie_threshold)).sum().item()),
+        "tie_threshold": tie_threshold,
+    })
+    results["passed"] = results["argmax_mismatches_outside_ties"] == 0
+    return results
+
+
+# -- decode step latency ---------------------------------------------------------------------------------
+def weight_bytes(runner: ModelRunner) -> int:
+    """Bytes a decode step streams: every parameter except the embedding table, which is only gathered
+    (unless tied, where the output layer reads all of it)."""
+    model = runner.model
+    total = 0
+    for name, p in model.named_parameters():
+        if name == "model.embed_tokens.weight" and not runner.config.model.tie_word_embeddings:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(runner: ModelRunner) -> int:
+    m = runner.config.model
+    return 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * runner.kv_cache.tensor.element_size()
+
+
+def decode_latency(args: argparse.Namespace) -> dict[str, Any]:
+    from tandem.shared.engine.engine import Engine
+
+    models = ["dummy:tiny"] if args.dry_run else args.models.split(",")
+    batches = [1, 4] if args.dry_run else [int(b) for b in args.batches.split(",")]
+    context = 32 if args.dry_run else args.context
+    num_steps = 4 if args.dry_run else args.steps
+    variants = [("triton+graphs", True, True)]
+    if args.variants == "all":
+        variants += [("triton eager", True, False), ("torch eager", False, False)]
+    rows = []
+    for model in models:
+        for label, use_triton, use_graphs in variants:
+            config = engine_config(model, args.device, max_model_len=context + num_steps + 32,
+                                   max_num_seqs=max(batches), use_triton=use_triton, use_cuda_graphs=use_graphs,
+                                   max_num_batched_tokens=16384)
+            engine = Engine(config)
+            wbytes = weight_bytes(engine.runner)
+            kvb = kv_bytes_per_token(engine.runner)
+            for batch in tqdm(batches, desc=f"{model} {label}"):
+                if batch > 1 and label != "triton+graphs" and batch not in (1, 64):
+                    continue
+                prompts = random_prompts(batch, context, config.model.vocab_size, seed=batch)
+                params = SamplingParams(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True)
+                for i, p in enumerate(prompts):
+                    engine.add_request(f"b{batch}-{i}", p, params)
+                while engine.scheduler.waiting:
+                    engine.step()  # prefill everything first
+                for _ in range(3):
+                    engine.step()  # warm-up decode steps
+                times = []
+                for _ in range(num_steps):
+                    sync(args.device)
+                    start = time.perf_counter()
+                    result = engine.step()  # ends with the host sync that returns the token ids
+                    times.append(time.perf_counter() - start)
+                    assert not result.is_prefill and len(result.requests) == batch
+                for req_id in list(engine.requests):
+                    engine.abort(req_id)
+                step_s = statistics.median(times)
+                mean_ctx = context + 3 + num_steps / 2
+                floor_s = (wbytes + batch * mean_ctx * kvb) / HBM_BYTES_PER_S
+                rows.append({"model": model, "variant": label, "batch": batch, "context": context,
+                             "step_ms": step_s * 1e3, "tok_per_s": batch / step_s, "floor_ms": floor_s * 1e3,
+                             "fraction_of_floor": floor_s / step_s,
+                             "weight_gb": wbytes / 1e9, "kv_gb_per_step": batch * mean_ctx * kvb / 1e9})
+            del engine
+            free_memory()
+    return {"rows": rows}
+
+
+# -- offline throughput ----------------------------------------------------------------------------------
+def offline(args: argparse.Namespace) -> dict[str, Any]:
+    from tandem import LLM
+
+    model = "dummy:tiny" if args.dry_run else args.model
+    num, prompt_len, max_tokens = (8, 32, 8) if args.dry_run else (args.num_requests, args.prompt_len,
+                                                                   args.max_tokens)
+    llm = LLM(model, device=args.device, max_model_len=prompt_len + max_tokens + 16, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    prompts = random_prompts(num, prompt_len, llm.config.model.vocab_size)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    sync(args.device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    sync(args.device)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(o.token_ids) for o in outputs)
+    return {"model": model, "num_requests": num, "prompt_len": prompt_len, "max_tokens": max_tokens,
+            "seconds": elapsed, "output_tokens": num_tokens, "output_tok_per_s": num_tokens / elapsed,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+
+
+# -- HF transformers peers ---------------------------------------------------------------------------------
+def hf_model(model: str, device: str) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = load_model_config(model, fetch=False)
+    rope: dict[str, Any] = {"rope_type": m.rope.rope_type, "rope_theta": m.rope.theta}
+    if m.rope.rope_type == "llama3":
+        rope.update(factor=m.rope.factor, low_freq_factor=m.rope.low_freq_factor,
+                    high_freq_factor=m.rope.high_freq_factor,
+                    original_max_position_embeddings=m.rope.original_max_position_embeddings)
+    config = LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                         num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+                         num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim,
+                         max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.rms_norm_eps,
+                         tie_word_embeddings=m.tie_word_embeddings, rope_parameters=rope)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def hf(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import GenerationConfig
+
+    model_name = "dummy:tiny" if args.dry_run else args.model
+    num, prompt_len, max_tokens = (8, 32, 8) if args.dry_run else (args.num_requests, args.prompt_len,
+                                                                   args.max_tokens)
+    model = hf_model(model_name, args.device)
+    prompts = random_prompts(num, prompt_len, model.config.vocab_size)
+    result: dict[str, Any] = {"model": model_name, "mode": args.mode, "num_requests": num, "prompt_len": prompt_len,
+                              "max_tokens": max_tokens}
+    with torch.inference_mode():
+        if args.mode == "static":
+            batch = args.hf_batch
+            sync(args.device)
+            start = time.perf_counter()
+            for i in tqdm(range(0, num, batch), desc="hf static"):
+                ids = torch.tensor(prompts[i:i + batch], device=args.device)
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                               min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+            sync(args.device)
+            result["batch_size"] = batch
+        else:
+            config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+            sync(args.device)
+            start = time.perf_counter()
+            model.generate_batch(inputs=prompts, generation_config=config)
+            sync(args.device)
+    elapsed = time.perf_counter() - start
+    result.update(seconds=elapsed, output_tokens=num * max_tokens, output_tok_per_s=num * max_tokens / elapsed)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["correctness", "decode-latency", "offline", "hf"])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, dummy:tiny, a few steps")
+    parser.add_argument("--model", default="dummy:llama-3.1-8b")
+    parser.add_argument("--models", default="dummy:llama-3.1-8b,dummy:llama-3.2-1b")
+    parser.add_argument("--batches", default="1,8,64,256")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--variants", choices=["main", "all"], default="all")
+    parser.add_argument("--tie-threshold", type=float, default=0.05)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--mode", choices=["static", "batch"], default="static")
+    parser.add_argument("--hf-batch", type=int, default=64)
+    args = parser.parse_args()
+    args.device = "cpu" if args.dry_run else "cuda"
+    if args.dry_run:
+        import os
+
+        # The Triton path on CPU needs the interpreter, chosen before triton is first imported.
+        assert os.environ.get("TRITON_INTERPRET") == "1", "run the dry run with TRITON_INTERPRET=1"
+    command = {"correctness": correctness, "decode-latency": decode_latency, "offline": offline, "hf": hf}
+    result = command[args.command](args)
+    report = {"benchmark": args.command, "environment": environment(), "dry_run": args.dry_run,
+              "args": {k: v for k, v in vars(args).items() if k != "out"} | {"out": str(args.out)},
+              "result": result}
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = f"-{args.mode}" if args.command == "hf" else ""
+    (args.out / f"{args.command}{suffix}.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(result, indent=1)[:3000])
+
+
+if __name__ == "__main__":
+    main()
