@@ -155,13 +155,20 @@ def _decode_case(shape: ModelShape, batch: int, context: int, block_size: int, d
 
 
 class Timer:
-    """Median time of fn() in ms: CUDA events with an L2 flush before each run, or wall clock on CPU."""
+    """Median time of fn() in ms: CUDA events with an L2 flush before each run, or wall clock on CPU.
+
+    On GPU the stream first sleeps ~0.5 ms, so the CPU has queued all of fn()'s launches before the
+    start event fires: the events bracket device time, as under a CUDA graph, not Python launch
+    overhead between an op's kernels. A host sync inside fn() (the references have some) still
+    shows, as it should.
+    """
+
+    SLEEP_CYCLES = 1_000_000  # ~0.5 ms at H200 clocks
 
     def __init__(self, device: torch.device, warmup: int, iters: int) -> None:
         self.device, self.warmup, self.iters = device, warmup, iters
-        # 256 MB > the H200's 60 MB L2. Its memset also runs ahead of the timed launch, so the events
-        # bracket GPU time, not Python launch overhead.
         is_cuda = device.type == "cuda"
+        # 256 MB > the H200's 60 MB L2: every timed run starts from cold caches, as a decode step does.
         self.flush = torch.empty(64 << 20, dtype=torch.float32, device=device) if is_cuda else None
 
     def __call__(self, fn: Callable[[], Any]) -> float:
@@ -179,6 +186,7 @@ class Timer:
                   for _ in range(self.iters)]
         for start, end in events:
             self.flush.zero_()
+            torch.cuda._sleep(self.SLEEP_CYCLES)
             start.record()
             fn()
             end.record()

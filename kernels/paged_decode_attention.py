@@ -44,9 +44,9 @@ def _paged_decode_attention_kernel(
     stride_bt,
     stride_os, stride_oh, stride_osplit,
     stride_ls, stride_lh,
-    num_queries_per_kv, head_dim,
-    PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    num_queries_per_kv,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -62,7 +62,7 @@ def _paged_decode_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     g_mask = offs_g < num_queries_per_kv
-    d_mask = offs_d < head_dim
+    d_mask = offs_d < HEAD_DIM
     heads = kv_head * num_queries_per_kv + offs_g
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
@@ -147,6 +147,11 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"{tuple(context_lens.shape)} must be [{num_seqs}, max_blocks] and [{num_seqs}]")
 
 
+def _launch_config(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N tokens per KV tile, num_warps, num_stages) of the split kernel."""
+    return (64 if head_dim <= 128 else 32), 4, 2
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: any small number exercises the split path
@@ -183,7 +188,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if block_d > 256 or block_g > 64:
         raise ValueError(f"paged_decode_attention: head_dim {head_dim} (<= 256) or GQA group "
                          f"{num_queries_per_kv} (<= 64) unsupported")
-    block_n = 64 if block_d <= 128 else 32
+    block_n, num_warps, num_stages = _launch_config(head_dim)
     is_single_split = num_splits == 1
     if is_single_split:
         partial, lse = out, out  # the kernel writes the final output directly; lse is unused
@@ -203,10 +208,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         *partial_strides, *lse_strides,
-        num_queries_per_kv, head_dim,
-        PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_queries_per_kv,
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         IS_SINGLE_SPLIT=is_single_split, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if not is_single_split:
         _combine_splits_kernel[(num_seqs, num_q_heads)](

@@ -11,15 +11,50 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, lo, hi, scale_log2,
+                  IS_DIAGONAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold keys [lo, hi) of one sequence into the online softmax of a query block (base 2).
+
+    Off the diagonal every key precedes every query of the block and lies inside the sequence, so
+    only the diagonal tiles pay for the causal and bounds masks.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = (offs_d < HEAD_DIM)[None, :]
+    for n_start in range(lo, hi, BLOCK_N):
+        n_idx = n_start + offs_n
+        kv_mask = d_mask
+        if IS_DIAGONAL:
+            kv_mask = (n_idx < hi)[:, None] & d_mask
+        k = tl.load(k_base + n_idx[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if IS_DIAGONAL:
+            # Key 0 is visible to every query, so each row has a finite max from its first tile on.
+            is_visible = (offs_m[:, None] >= n_idx[None, :]) & (n_idx < hi)[None, :]
+            qk = tl.where(is_visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + n_idx[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    num_queries_per_kv, head_dim,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    num_queries_per_kv,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Grid (query blocks of the longest sequence, Hq, S): a program owns BLOCK_M queries of one head.
-    m_block = tl.program_id(0)
+    # Late query blocks see the most keys: start them first so the short ones fill the tail.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
     seq_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
@@ -29,42 +64,37 @@ def _prefill_attention_kernel(
     kv_head = head // num_queries_per_kv
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_dim
-    m_mask = offs_m < seq_len
+    io_mask = (offs_m < seq_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + (seq_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+                mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    k_base = k_ptr + seq_start * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + seq_start * stride_vt + kv_head * stride_vh
 
-    # Online softmax in base 2 (exp2 is cheaper; scale_log2 = scale * log2(e)).
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Causal: keys past this block's last query are never needed.
-    kv_end = tl.minimum((m_block + 1) * BLOCK_M, seq_len)
-    for n_start in range(0, kv_end, BLOCK_N):
-        n_idx = n_start + offs_n
-        n_mask = n_idx < kv_end
-        kv_rows = (seq_start + n_idx)[:, None]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + kv_rows * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-        # Key 0 is visible to every query, so each row has a finite max from the first tile on.
-        is_visible = (offs_m[:, None] >= n_idx[None, :]) & n_mask[None, :]
-        qk = tl.where(is_visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_rows * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Causal: keys before this block unmasked, then the diagonal block; later keys are never needed.
+    diagonal_start = m_block * BLOCK_M
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m,
+                                  0, diagonal_start, scale_log2,
+                                  False, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m,
+                                  diagonal_start, tl.minimum(diagonal_start + BLOCK_M, seq_len), scale_log2,
+                                  True, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     tl.store(out_ptr + (seq_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def _launch_config(head_dim: int, max_seqlen: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M must be a multiple of BLOCK_N (the
+    unmasked phase covers whole key tiles); tl.dot needs every tile side >= 16."""
+    block_m = min(128, max(16, triton.next_power_of_2(max_seqlen)))
+    block_n = min(64, block_m)
+    num_warps = 8 if head_dim > 64 and block_m >= 128 else 4
+    return block_m, block_n, num_warps, 3
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
@@ -97,19 +127,16 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     block_d = max(triton.next_power_of_2(head_dim), 16)
     if block_d > 256:
         raise ValueError(f"prefill_attention: head_dim {head_dim} > 256 is not supported")
-    # 128 x 64 tiles suit Hopper; short prompts get smaller query tiles (tl.dot needs >= 16).
-    block_m = min(128, max(16, triton.next_power_of_2(max_seqlen)))
-    block_n = min(64, block_m)
-    num_warps = 8 if block_d >= 128 and block_m >= 128 else 4
+    block_m, block_n, num_warps, num_stages = _launch_config(head_dim, max_seqlen)
     num_seqs = cu_seqlens.shape[0] - 1
     grid = (triton.cdiv(max_seqlen, block_m), num_q_heads, num_seqs)
     _prefill_attention_kernel[grid](
         q, k, v, out, cu_seqlens, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        num_q_heads // k.shape[1], head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=2,
+        num_q_heads // k.shape[1],
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

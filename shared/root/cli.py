@@ -174,6 +174,32 @@ def up(
     raise typer.Exit(Stack(options).run(demo=demo, exit_after_demo=exit_after_demo))
 
 
+bench_app = typer.Typer(help="Benchmarks against a running stack.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("serve")
+def bench_serve(
+    address: Annotated[str, typer.Option(help="Gateway gRPC address.")] = "127.0.0.1:50051",
+    rates: Annotated[str, typer.Option(help="Comma-separated request rates (req/s); inf = burst.")] = "1,2,4",
+    num_requests: Annotated[int, typer.Option(help="Requests per rate.")] = 64,
+    prompt_len: Annotated[str, typer.Option(help="fixed:N, uniform:LO:HI or sharegpt:MEDIAN:MAX.")] = "uniform:128:512",
+    output_len: Annotated[str, typer.Option(help="Same forms as --prompt-len.")] = "uniform:32:128",
+    ttft_slo: Annotated[float, typer.Option(help="TTFT target (s) for goodput.")] = 0.2,
+    tpot_slo: Annotated[float, typer.Option(help="TPOT target (s) for goodput.")] = 0.05,
+    seed: int = 0,
+    timeout: Annotated[float, typer.Option(help="Per-request deadline (s).")] = 600.0,
+    out: Annotated[Path | None, typer.Option(help="JSON results.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="PNG of latency against load.")] = None,
+    label: str = "",
+) -> None:
+    """Poisson load at each rate; TTFT/TPOT/ITL/e2e percentiles, throughput and goodput."""
+    from tandem.benchmarks.serve import run
+
+    rate_list = [float(r) for r in rates.split(",")]
+    run(address, rate_list, num_requests, prompt_len, output_len, ttft_slo, tpot_slo, seed, timeout, out, plot, label)
+
+
 def main() -> None:
     app()
 
