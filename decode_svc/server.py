@@ -19,7 +19,7 @@ from tandem.shared.service import (
 from tandem.v1 import worker_pb2_grpc
 
 
-async def serve(service: ServiceOptions, engine_options: EngineOptions) -> None:
+async def serve(service: ServiceOptions, engine_options: EngineOptions, kv_transport: str = "auto") -> None:
     engine = AsyncEngine(Engine(build_engine_config(engine_options)), name="decode-engine")
     metrics.track_pool(lambda: engine.engine.num_total_blocks, lambda: engine.engine.num_free_blocks,
                        lambda: engine.engine.scheduler.num_queued)
@@ -28,7 +28,7 @@ async def serve(service: ServiceOptions, engine_options: EngineOptions) -> None:
         metrics.BATCH_SIZE.observe(len(result.requests))
 
     engine.on_step = on_step
-    servicer = DecodeServicer(engine, engine_options.model)
+    servicer = DecodeServicer(engine, engine_options.model, kv_transport)
     worker_id = new_worker_id("decode")
 
     def add(server: grpc.aio.Server) -> list[str]:

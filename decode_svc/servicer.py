@@ -7,13 +7,17 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 
 from tandem.shared import metrics
 from tandem.shared.async_engine import AsyncEngine, EngineFailure, TokenEvent
+from tandem.shared.engine.engine import Engine
 from tandem.shared.engine.request import Request
 from tandem.shared.engine.sampling_params import SamplingParams
+from tandem.shared.errors import KVTransportError
+from tandem.shared.kv_ipc import CUDA_IPC, GRPC, ExportedPool, choose_transport, gpu_uuid
 from tandem.shared.kv_transfer import layout_to_proto, messages_to_pages
 from tandem.shared.rpc import make_channel
 from tandem.shared.service import is_unreachable, worker_info
@@ -22,15 +26,31 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+
+@dataclass
+class PeerState:
+    """What this decode worker knows of one prefill worker."""
+
+    gpu_uuid: str = ""
+    kv_transports: list[str] = field(default_factory=lambda: [GRPC])
+    has_handle: bool = False  # it has opened our pool
+    failed_ipc: bool = False  # it could not open it: use grpc from now on
+
 # How often a request that found no free blocks tries again (the pool frees blocks every step).
 _RESERVE_RETRY_S = 0.005
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, kv_transport: str = "auto") -> None:
         self.engine = engine
         self.model_name = model_name
+        self.kv_transport = kv_transport
+        self.gpu_uuid = gpu_uuid(engine.engine.runner.device)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._peers: dict[str, PeerState] = {}
+        self._pool: ExportedPool | None = None
+        # Requests whose blocks a prefill worker may still be writing (cuda-ipc, cancelled mid-transfer).
+        self.quarantined: set[str] = set()
 
     async def Generate(self, request: worker_pb2.DecodeRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeResponse]:
@@ -65,13 +85,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     return
         finally:
             self.engine.close_stream(req_id)
-            # Cancelled, failed or done: either way the request's blocks are free now.
-            self.engine.post(lambda e: e.abort(req_id))
+            # Cancelled, failed or done: the request's blocks are free now (unless a peer may still write
+            # into them: then they are freed once it has stopped).
+            if req_id not in self.quarantined:
+                self.engine.post(lambda e: e.abort(req_id))
 
     async def _prefill_remotely(self, req_id: str, prompt: list[int], params: SamplingParams,
                                 address: str) -> bool:
-        """Reserve blocks, pull the pages and the first token; False if the prefill worker failed
-        (its partial pages are dropped with the reservation, and the caller prefills locally)."""
+        """Reserve blocks, have the prefill worker fill them, take the first token; False if the prefill
+        worker failed (the reservation is dropped, and the caller prefills locally)."""
         engine = self.engine
         while True:
             reserved: Request | None = await engine.call(lambda e: e.reserve(req_id, prompt, params))
@@ -79,44 +101,132 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 break
             await asyncio.sleep(_RESERVE_RETRY_S)
         request = reserved
+        peer = await self._peer(address)
+        try:
+            transport = choose_transport(self.kv_transport, self.gpu_uuid, peer.gpu_uuid, peer.kv_transports,
+                                         peer.failed_ipc)
+        except ValueError as error:
+            await engine.call(lambda e: e.abort(req_id))
+            raise KVTransportError(str(error)) from None
+        try:
+            return await self._pull(request, prompt, params, address, peer, transport)
+        except grpc.aio.AioRpcError as error:
+            details = error.details() or ""
+            if transport == CUDA_IPC and error.code() == grpc.StatusCode.FAILED_PRECONDITION and "cuda-ipc" in details:
+                # Nothing was written: the open (or pool lookup) failed. Learn it and go by bytes instead.
+                log.warning("cuda-ipc to %s failed (%s); using grpc", address, details)
+                if "unknown pool" in details:
+                    peer.has_handle = False
+                else:
+                    peer.failed_ipc = True
+                return await self._pull(request, prompt, params, address, peer, GRPC)
+            # A peer that refuses our layout (the gateway pairs by fingerprint, so this is a misconfiguration):
+            # nothing was written; serve the request anyway by prefilling locally.
+            log.error("prefill at %s refused %s: %s; prefilling locally", address, req_id, details)
+            metrics.KV_TRANSFER_FAILURES.inc()
+            await self._drop(req_id, address, False)
+            return False
+
+    async def _pull(self, request: Request, prompt: list[int], params: SamplingParams, address: str,
+                    peer: PeerState, transport: str) -> bool:
+        engine = self.engine
+        req_id = request.req_id
         layout = engine.engine.layout
+        target = None
+        if transport == CUDA_IPC:
+            pool = self._exported_pool()
+            target = worker_pb2.KVTarget(pool_id=pool.pool_id, block_ids=request.block_ids,
+                                         pool_handle=b"" if peer.has_handle else pool.handle)
         stub = worker_pb2_grpc.PrefillStub(self._channel(address))
         call = stub.Prefill(worker_pb2.PrefillRequest(
             request_id=req_id, prompt_token_ids=prompt, sampling=sampling_to_worker(params),
-            layout=layout_to_proto(layout)))
+            layout=layout_to_proto(layout), target=target))
         start = time.perf_counter()
         num_bytes = 0
+        # cuda-ipc: from the request until the first token, the peer may be writing into our blocks.
+        peer_may_write = target is not None
         try:
             async for message in call:
-                if message.HasField("pages"):
+                kind = message.WhichOneof("kind")
+                if kind == "pages":
                     pages = message.pages
                     k, v = messages_to_pages(pages, layout)
                     num_bytes += len(pages.k) + len(pages.v)
                     layer, block_start = pages.layer, pages.block_start
                     engine.post(lambda e, k=k, v=v, layer=layer, start=block_start:
                                 e.write_pages(request, layer, start, k, v))
-                else:
+                elif kind == "layers_done":
+                    peer.has_handle = True
+                elif kind == "first_token":
+                    # For cuda-ipc the peer synchronised before sampling: every page is in our pool now.
+                    peer_may_write = False
                     first = message.first_token
 
-                    def activate(e, token_id: int = first.token_id, logprob: float = first.logprob) -> None:
+                    def activate(e: Engine, token_id: int = first.token_id, logprob: float = first.logprob) -> None:
                         e.activate(request, token_id, logprob)
                         engine.publish(request)
 
                     await engine.call(activate)
+                    if target is not None:
+                        peer.has_handle = True
+                        num_bytes = len(request.block_ids) * layout.block_bytes_per_layer * 2 * layout.num_layers
                     metrics.KV_TRANSFER_BYTES.inc(num_bytes)
                     metrics.KV_TRANSFER_SECONDS.observe(time.perf_counter() - start)
                     return True
             raise ValueError("prefill stream ended without a first token")
         except (grpc.aio.AioRpcError, ValueError) as error:
+            if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise  # the caller decides (cuda-ipc fallback, or a real layout mismatch)
             if isinstance(error, grpc.aio.AioRpcError) and not is_unreachable(error):
-                await engine.call(lambda e: e.abort(req_id))
+                await self._drop(req_id, address, peer_may_write)
+                peer_may_write = False
                 raise
             log.warning("prefill at %s failed for %s (%s); prefilling locally", address, req_id, error)
             metrics.KV_TRANSFER_FAILURES.inc()
-            await engine.call(lambda e: e.abort(req_id))
+            await self._drop(req_id, address, peer_may_write)
+            peer_may_write = False
             return False
         finally:
             call.cancel()
+            if peer_may_write:
+                # Cancelled mid-transfer: the blocks stay held until the writer has stopped.
+                self.quarantined.add(req_id)
+                asyncio.get_running_loop().create_task(self._drop(req_id, address, True))
+
+    async def _drop(self, req_id: str, address: str, peer_may_write: bool) -> None:
+        """Free a reservation; with cuda-ipc first make the prefill worker stop (and finish) its writes."""
+        if peer_may_write:
+            stub = worker_pb2_grpc.PrefillStub(self._channel(address))
+            for attempt in range(10):
+                try:
+                    await stub.Release(worker_pb2.ReleaseRequest(request_id=req_id), timeout=5.0)
+                    break
+                except grpc.aio.AioRpcError as error:
+                    if error.code() == grpc.StatusCode.UNAVAILABLE and attempt >= 2:
+                        break  # the writer's process is gone, and its writes with it
+                    await asyncio.sleep(0.2 * (attempt + 1))
+            else:
+                log.error("prefill %s never confirmed release of %s; freeing its blocks anyway", address, req_id)
+        self.quarantined.discard(req_id)
+        await self.engine.call(lambda e: e.abort(req_id))
+
+    async def _peer(self, address: str) -> PeerState:
+        peer = self._peers.get(address)
+        if peer is None:
+            peer = PeerState()
+            stub = worker_pb2_grpc.PrefillStub(self._channel(address))
+            try:
+                info = await stub.Info(worker_pb2.InfoRequest(), timeout=2.0)
+                peer.gpu_uuid, peer.kv_transports = info.gpu_uuid, list(info.kv_transports)
+                self._peers[address] = peer
+            except grpc.aio.AioRpcError:
+                pass  # not cached: asked again next time
+        return peer
+
+    def _exported_pool(self) -> ExportedPool:
+        if self._pool is None:
+            self._pool = ExportedPool.of(self.engine.engine.runner.kv_cache.tensor)
+        return self._pool
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

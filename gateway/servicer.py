@@ -6,23 +6,29 @@ strings, and on a stop cancels the request on decode, so no compute is spent pas
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
 
 from tandem.shared import metrics
 from tandem.shared.config import ModelConfig
 from tandem.shared.detokenizer import IncrementalDetokenizer
 from tandem.shared.engine.sampling_params import SamplingParams
-from tandem.shared.errors import InvalidRequestError, UnavailableError
+from tandem.shared.errors import InvalidRequestError, OverloadedError, UnavailableError
 from tandem.shared.models import apply_chat_template
-from tandem.shared.registry import Registry, pick_pair
+from tandem.shared.registry import Registry, WorkerRecord, pick_pair
 from tandem.shared.rpc import make_channel
+from tandem.shared.telemetry import ending, extract_context, get_tracer, inject_metadata
 from tandem.shared.wire import (
     finish_reason_from_proto,
     finish_reason_to_proto,
@@ -53,6 +59,8 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str = ""
+    # The chosen token's logprob for each of token_ids (as decode reports them).
+    logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     time_to_first_token_s: float = 0.0
     e2e_s: float = 0.0
@@ -64,14 +72,24 @@ class Router:
     Used by the gRPC servicer and by the OpenAI-compatible HTTP API alike.
     """
 
-    def __init__(self, model: GatewayModel, registry: Registry) -> None:
+    def __init__(self, model: GatewayModel, registry: Registry, tracer: trace.Tracer | None = None) -> None:
         self.model = model
         self.registry = registry
+        # The process-wide tracer unless one is given (tests host several services in one process).
+        self.tracer = tracer or get_tracer("gateway")
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def prompt_ids(self, prompt: str | None = None, token_ids: list[int] | None = None,
                    messages: list[dict[str, str]] | None = None) -> list[int]:
-        """Exactly one input → the prompt's token ids (validated against the vocabulary)."""
+        """Exactly one input → the prompt's token ids (validated against the vocabulary), traced as a
+        `tokenize` span under the current one."""
+        with self.tracer.start_as_current_span("tokenize") as span:
+            ids = self._tokenize(prompt, token_ids, messages)
+            span.set_attribute("tandem.prompt_tokens", len(ids))
+            return ids
+
+    def _tokenize(self, prompt: str | None, token_ids: list[int] | None,
+                  messages: list[dict[str, str]] | None) -> list[int]:
         tokenizer = self.model.tokenizer
         if messages is not None:
             if not messages:
@@ -99,54 +117,91 @@ class Router:
             raise InvalidRequestError("model", f"unknown model {name!r}; this gateway serves {self.model.name!r}")
 
     async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     timeout: float | None = None) -> AsyncIterator[tuple[list[int], str, Completion]]:
-        """Yield (new token ids, new text, progress) as decode streams; the last has finish_reason set."""
+                     timeout: float | None = None, trace_context: Context | None = None,
+                     ) -> AsyncIterator[tuple[list[int], str, Completion]]:
+        """Yield (new token ids, new text, progress) as decode streams; the last has finish_reason set.
+
+        Traced as a `route` span and a `stream` span (the decode call and detokenization) under
+        `trace_context`, by default the caller's current context; decode continues the trace.
+        """
         limit = self.model.max_model_len
         if len(prompt_ids) + params.max_tokens > limit:
             raise InvalidRequestError("max_tokens", f"{params.max_tokens} plus the {len(prompt_ids)}-token "
                                                     f"prompt exceeds the context length {limit}")
         params = with_resolved_seed(params)
         arrival = time.perf_counter()
-        prefill, decode = pick_pair(await self.registry.workers("prefill"), await self.registry.workers("decode"),
-                                    None)
+        parent = otel_context.get_current() if trace_context is None else trace_context
+        prefill, decode = await self._route(parent)
         detok = IncrementalDetokenizer(self.model.tokenizer, prompt_ids, stop=params.stop,
                                        skip_special_tokens=params.skip_special_tokens)
         progress = Completion(request_id, prompt_ids, [])
+        span = self.tracer.start_span("stream", context=parent, attributes={
+            "tandem.request_id": request_id, "tandem.prompt_tokens": len(prompt_ids),
+            "tandem.max_tokens": params.max_tokens, "tandem.decode.address": decode.address})
         stub = worker_pb2_grpc.DecodeStub(self._channel(decode.address))
         call = stub.Generate(worker_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_worker(params),
-            prefill_address=prefill.address if prefill is not None else ""), timeout=timeout)
-        try:
-            async for response in call:
-                if not progress.token_ids:
-                    progress.time_to_first_token_s = time.perf_counter() - arrival
-                new_ids = list(response.token_ids)
-                text = detok.push(new_ids)
-                if detok.stopped:
-                    # Only the tokens up to the one completing the stop string count.
-                    new_ids = new_ids[:detok.num_tokens_used - len(progress.token_ids)]
-                    progress.finish_reason = "stop"
-                elif response.finish_reason:
-                    progress.finish_reason = finish_reason_from_proto(response.finish_reason)
-                    text += detok.finish()
-                progress.token_ids += new_ids
-                progress.text += text
-                if progress.finish_reason is not None:
-                    progress.e2e_s = time.perf_counter() - arrival
-                    _observe(progress)
+            prefill_address=prefill.address if prefill is not None else ""), timeout=timeout,
+            metadata=inject_metadata(trace.set_span_in_context(span)))
+        with ending(span):
+            try:
+                async for response in call:
+                    if not progress.token_ids:
+                        progress.time_to_first_token_s = time.perf_counter() - arrival
+                    new_ids = list(response.token_ids)
+                    new_logprobs = list(response.logprobs)
+                    text = detok.push(new_ids)
+                    if detok.stopped:
+                        # Only the tokens up to the one completing the stop string count.
+                        new_ids = new_ids[:detok.num_tokens_used - len(progress.token_ids)]
+                        new_logprobs = new_logprobs[:len(new_ids)]
+                        progress.finish_reason = "stop"
+                    elif response.finish_reason:
+                        progress.finish_reason = finish_reason_from_proto(response.finish_reason)
+                        text += detok.finish()
+                    progress.token_ids += new_ids
+                    progress.logprobs += new_logprobs
+                    progress.text += text
+                    if progress.finish_reason is not None:
+                        progress.e2e_s = time.perf_counter() - arrival
+                        _observe(progress)
+                        yield new_ids, text, progress
+                        return
                     yield new_ids, text, progress
-                    return
-                yield new_ids, text, progress
-            raise UnavailableError(f"decode worker {decode.address} ended the stream early")
-        except grpc.aio.AioRpcError as error:
-            if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise _passthrough(error) from None
-            metrics.REQUESTS.labels(status="error").inc()
-            raise UnavailableError(f"decode worker {decode.address}: {error.details()}") from None
-        finally:
-            # A stop string, a client cancel or an error: decode frees the request's blocks at once.
-            call.cancel()
+                raise UnavailableError(f"decode worker {decode.address} ended the stream early")
+            except grpc.aio.AioRpcError as error:
+                if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    grpc.StatusCode.DEADLINE_EXCEEDED):
+                    metrics.REQUESTS.labels(status=error.code().name.lower()).inc()
+                    raise _passthrough(error) from None
+                metrics.REQUESTS.labels(status="error").inc()
+                raise UnavailableError(f"decode worker {decode.address}: {error.details()}") from None
+            finally:
+                # A stop string, a client cancel or an error: decode frees the request's blocks at once.
+                call.cancel()
+                span.set_attributes({"tandem.completion_tokens": len(progress.token_ids),
+                                     "tandem.finish_reason": progress.finish_reason or "",
+                                     "tandem.time_to_first_token_s": progress.time_to_first_token_s})
+
+    async def _route(self, parent: Context) -> tuple[WorkerRecord | None, WorkerRecord]:
+        """The (prefill, decode) pair for a request, in a `route` span that says which and why."""
+        with ending(self.tracer.start_span("route", context=parent)) as span:
+            prefills = await self.registry.workers("prefill")
+            decodes = await self.registry.workers("decode")
+            prefill, decode = pick_pair(prefills, decodes, None)
+            num_compatible = sum(p.fingerprint == decode.fingerprint for p in prefills)
+            if prefill is None:
+                reason = "no prefill worker with the decode worker's KV layout: decode prefills locally"
+            else:
+                reason = f"least queued of {num_compatible} compatible prefill workers"
+            span.set_attributes({
+                "tandem.route.decode": decode.address, "tandem.route.prefill": prefill.address if prefill else "",
+                "tandem.route.num_decode": len(decodes), "tandem.route.num_prefill": len(prefills),
+                "tandem.route.decode_free_blocks": decode.num_free_blocks,
+                "tandem.route.decode_queue_depth": decode.queue_depth,
+                "tandem.route.reason": f"most free blocks per queued request of {len(decodes)} decode workers; "
+                                       + reason})
+            return prefill, decode
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -170,6 +225,9 @@ def _passthrough(error: grpc.aio.AioRpcError) -> Exception:
         details = error.details() or ""
         field, _, message = details.partition(": ")
         return InvalidRequestError(field, message)
+    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        # A typed error, so the HTTP API can answer 429 too; gRPC maps it back to RESOURCE_EXHAUSTED.
+        return OverloadedError(error.details() or "")
     return _PassthroughError(error.code(), error.details() or "")
 
 
@@ -199,21 +257,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        self.router.check_model(request.model)
-        prompt_ids = self._prompt_ids(request)
-        params = sampling_from_public(request.sampling)
-        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        """Traced as the root span `generate` (under the client's trace, if it sent one)."""
+        span = self.router.tracer.start_span("generate", context=extract_context(context.invocation_metadata()),
+                                             kind=SpanKind.SERVER)
         try:
-            async for new_ids, text, progress in self.router.stream(request_id, prompt_ids, params,
-                                                                     timeout=context.time_remaining()):
-                response = generation_pb2.GenerateResponse(request_id=request_id, text=text, token_ids=new_ids)
-                if progress.finish_reason is not None:
-                    response.finish_reason = finish_reason_to_proto(progress.finish_reason)
-                    response.usage.prompt_tokens = len(prompt_ids)
-                    response.usage.completion_tokens = len(progress.token_ids)
-                    response.timing.time_to_first_token_s = progress.time_to_first_token_s
-                    response.timing.e2e_s = progress.e2e_s
-                yield response
+            with ending(span):
+                # Current only around these synchronous steps, so `tokenize` nests under it.
+                with trace.use_span(span, record_exception=False, set_status_on_exception=False):
+                    self.router.check_model(request.model)
+                    prompt_ids = self._prompt_ids(request)
+                    params = sampling_from_public(request.sampling)
+                request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+                span.set_attribute("tandem.request_id", request_id)
+                chunks = self.router.stream(request_id, prompt_ids, params, timeout=context.time_remaining(),
+                                            trace_context=trace.set_span_in_context(span))
+                async with contextlib.aclosing(chunks):
+                    async for new_ids, text, progress in chunks:
+                        response = generation_pb2.GenerateResponse(request_id=request_id, text=text,
+                                                                   token_ids=new_ids)
+                        if progress.finish_reason is not None:
+                            response.finish_reason = finish_reason_to_proto(progress.finish_reason)
+                            response.usage.prompt_tokens = len(prompt_ids)
+                            response.usage.completion_tokens = len(progress.token_ids)
+                            response.timing.time_to_first_token_s = progress.time_to_first_token_s
+                            response.timing.e2e_s = progress.e2e_s
+                        yield response
         except _PassthroughError as error:
             await context.abort(error.code, error.details)
 

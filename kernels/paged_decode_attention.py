@@ -148,7 +148,14 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _launch_config(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N tokens per KV tile, num_warps, num_stages) of the split kernel."""
+    """(BLOCK_N tokens per KV tile, num_warps, num_stages) of the split kernel.
+
+    Swept on an H200 (Triton 3.6, bf16, block_size 16, Llama GQA 32/8): 4 warps, 2 stages; 64-token
+    tiles at D 128 (98% of copy bandwidth at batch 256), 128-token tiles at D 64 (small tiles left
+    D 64 latency-bound at batch 64).
+    """
+    if head_dim <= 64:
+        return 128, 4, 2
     return (64 if head_dim <= 128 else 32), 4, 2
 
 

@@ -90,11 +90,14 @@ def _prefill_attention_kernel(
 
 def _launch_config(head_dim: int, max_seqlen: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M must be a multiple of BLOCK_N (the
-    unmasked phase covers whole key tiles); tl.dot needs every tile side >= 16."""
+    unmasked phase covers whole key tiles); tl.dot needs every tile side >= 16.
+
+    Swept on an H200 (Triton 3.6, bf16, 4 x 1024 causal, D 64 and 128): 128 x 64 tiles with 8 warps
+    and 3 stages were best or within 6% of the best for both head sizes.
+    """
     block_m = min(128, max(16, triton.next_power_of_2(max_seqlen)))
     block_n = min(64, block_m)
-    num_warps = 8 if head_dim > 64 and block_m >= 128 else 4
-    return block_m, block_n, num_warps, 3
+    return block_m, block_n, (8 if block_m >= 128 else 4), 3
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> None:

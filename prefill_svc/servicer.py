@@ -3,18 +3,26 @@ first token. Thin: convert the request, hand it to the engine, convert what come
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+import torch
+from opentelemetry import trace
 
+from tandem.prefill_svc.tracing import PrefillTraces
 from tandem.shared import metrics
 from tandem.shared.async_engine import AsyncEngine, EngineFailure, TokenEvent
+from tandem.shared.engine.engine import Engine, StepResult
 from tandem.shared.engine.request import Request
+from tandem.shared.errors import KVTransportError
+from tandem.shared.kv_ipc import copy_layer, open_pool
 from tandem.shared.kv_transfer import check_layout, layout_from_proto, pages_to_messages
 from tandem.shared.service import worker_info
+from tandem.shared.telemetry import ending, get_tracer
 from tandem.shared.wire import sampling_from_worker
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -29,26 +37,76 @@ class PagesEvent:
     messages: list[worker_pb2.KVPages]
 
 
+@dataclass
+class LayersDoneEvent:
+    """cuda-ipc: the first `num_layers` layers are copied into the receiver's pool (queued on the GPU)."""
+
+    num_layers: int
+
+
+@dataclass
+class IpcTarget:
+    """Where one request's pages go in a peer's pool (cuda-ipc)."""
+
+    pool: torch.Tensor  # the peer's [L, 2, N, B, Hkv, D], mapped into this process
+    dst_blocks: torch.Tensor  # [num_blocks] int64 on the GPU
+    src_blocks: torch.Tensor | None = None  # ours, filled at the first layer (the blocks are known then)
+
+
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, tracer: trace.Tracer | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        # The process-wide tracer unless one is given (tests host several services in one process).
+        self.traces = PrefillTraces(tracer or get_tracer("prefill"))
         engine.on_prefill_layer = self._export_layer
+        engine.on_step = self._on_step
+        # cuda-ipc: peers' pools opened once (pool id → tensor), and each request's target.
+        self._pools: dict[str, torch.Tensor] = {}
+        self._targets: dict[str, IpcTarget] = {}
 
     def _export_layer(self, requests: list[Request], layer: int) -> None:
-        """Engine thread, right after `layer` stored its K/V: copy each request's pages out, so the
-        event loop ships layer L while the engine computes layer L+1."""
+        """Engine thread, right after `layer` stored its K/V: hand each request's pages on, so shipping
+        layer L overlaps computing layer L+1 (grpc: copied to the host as bytes; cuda-ipc: copied on the
+        GPU straight into the receiver's pool)."""
+        cache = self.engine.engine.runner.kv_cache.tensor
         for request in requests:
+            target = self._targets.get(request.req_id)
+            if target is not None:
+                if target.src_blocks is None:
+                    target.src_blocks = torch.tensor(request.block_ids, dtype=torch.int64, device=cache.device)
+                copy_layer(cache, target.src_blocks, target.pool, target.dst_blocks, layer)
+                self.engine.post_event(request.req_id, LayersDoneEvent(layer + 1))
+                continue
             k, v = self.engine.engine.read_pages(request, layer)
             messages = list(pages_to_messages(layer, k.cpu(), v.cpu()))
             self.engine.post_event(request.req_id, PagesEvent(layer, messages))
 
+    def _on_step(self, result: StepResult, seconds: float) -> None:
+        """Engine thread, after each step that computed something."""
+        if result.requests:
+            metrics.BATCH_SIZE.observe(len(result.requests))
+            self.traces.on_step(result, seconds)
+
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        """`_prefill` inside the request's `prefill` span (continuing the caller's trace)."""
+        span = self.traces.start(request.request_id, len(request.prompt_token_ids), context.invocation_metadata())
+        try:
+            with ending(span):
+                async with contextlib.aclosing(self._prefill(request)) as responses:
+                    async for response in responses:
+                        yield response
+        finally:
+            self.traces.forget(request.request_id)
+
+    async def _prefill(self, request: worker_pb2.PrefillRequest) -> AsyncIterator[worker_pb2.PrefillResponse]:
         engine = self.engine.engine
         check_layout(engine.layout, layout_from_proto(request.layout))
         params = sampling_from_worker(request.sampling)
         req_id = request.request_id
+        if request.HasField("target"):
+            self._targets[req_id] = self._open_target(request.target, len(request.prompt_token_ids))
         start = time.perf_counter()
         events = self.engine.open_stream(req_id)
         num_bytes = 0
@@ -62,18 +120,58 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                         num_bytes += len(message.k) + len(message.v)
                         yield worker_pb2.PrefillResponse(pages=message)
                     continue
+                if isinstance(event, LayersDoneEvent):
+                    yield worker_pb2.PrefillResponse(layers_done=worker_pb2.LayersDone(num_layers=event.num_layers))
+                    continue
                 if isinstance(event, EngineFailure):
                     raise event
                 assert isinstance(event, TokenEvent)
+                self.traces.first_token(req_id, event, num_bytes, "cuda-ipc" if request.HasField("target") else "grpc")
                 yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
                     token_id=event.token_ids[0], logprob=event.logprobs[0],
                     prefill_s=time.perf_counter() - start))
                 break
         finally:
             self.engine.close_stream(req_id)
-            # The pages are shipped (or the receiver is gone): the blocks are free for the next prompt.
-            self.engine.post(lambda e: e.release(req_id))
+            # The pages are shipped (or the receiver is gone): the blocks are free for the next prompt, and no
+            # later layer is written into the receiver's pool (it calls Release to wait for queued copies).
+            self.engine.post(lambda e: (self._targets.pop(req_id, None), e.release(req_id)))
             metrics.KV_TRANSFER_BYTES.inc(num_bytes)
+
+    def _open_target(self, target: worker_pb2.KVTarget, num_prompt_tokens: int) -> IpcTarget:
+        pool = self._pools.get(target.pool_id)
+        if pool is None:
+            if not target.pool_handle:
+                raise KVTransportError(f"cuda-ipc: unknown pool {target.pool_id}; send its handle")
+            try:
+                pool = open_pool(target.pool_handle)
+            except (RuntimeError, ValueError, TypeError, AttributeError) as error:
+                raise KVTransportError(f"cuda-ipc: cannot open the peer's pool handle ({error})") from None
+            own = self.engine.engine.runner.kv_cache.tensor
+            if pool.shape[0:2] != own.shape[0:2] or pool.shape[3:] != own.shape[3:] or pool.dtype != own.dtype:
+                raise KVTransportError(f"cuda-ipc: peer pool {tuple(pool.shape)} {pool.dtype} does not match ours")
+            self._pools[target.pool_id] = pool
+        block_size = self.engine.engine.runner.block_size
+        if len(target.block_ids) != -(-num_prompt_tokens // block_size):
+            raise KVTransportError(f"cuda-ipc: {len(target.block_ids)} target blocks for {num_prompt_tokens} tokens")
+        if max(target.block_ids) >= pool.shape[2]:
+            raise KVTransportError("cuda-ipc: a target block id is outside the peer's pool")
+        dst = torch.tensor(list(target.block_ids), dtype=torch.int64, device=pool.device)
+        return IpcTarget(pool, dst)
+
+    async def Release(self, request: worker_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
+        req_id = request.request_id
+
+        def release(engine: Engine) -> None:
+            # Between steps: no forward is running; after the sync no copy is queued either.
+            self._targets.pop(req_id, None)
+            engine.abort(req_id)
+            if engine.runner.device.type == "cuda":
+                torch.cuda.synchronize(engine.runner.device)
+
+        await self.engine.call(release)
+        return worker_pb2.ReleaseResponse()
 
     async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         return worker_info(self.engine, "prefill", self.model_name)

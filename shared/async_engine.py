@@ -30,12 +30,23 @@ class EngineFailure(UnavailableError):
 
 @dataclass
 class TokenEvent:
-    """New tokens of one request; `finish_reason` set on the last event."""
+    """New tokens of one request; `finish_reason` set on the last event.
+
+    The timing fields are how a request's timeline crosses from the engine to the service that traces
+    it (the engine itself knows nothing of tracing): the step that made these tokens, and on the
+    request's first event the time it waited in the queue before it was first scheduled.
+    """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None = None
     num_local_prefill_tokens: int = 0
+    # Requests in the engine step that produced these tokens, and its wall time (0: not from a step,
+    # e.g. the first token a remote prefill worker sampled).
+    batch_size: int = 0
+    step_s: float = 0.0
+    # First event only: arrival → first scheduled, when this engine scheduled the request itself.
+    queue_s: float | None = None
 
 
 @dataclass
@@ -60,7 +71,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         # Prefill role: called on the engine thread after each layer of a prefill batch.
         self.on_prefill_layer: Callable[[list[Request], int], None] | None = None
-        # Called on the engine thread after each step (metrics).
+        # Called on the engine thread after each step, before its tokens are published (metrics, traces).
         self.on_step: Callable[[StepResult, float], None] | None = None
         engine.on_prefill_layer = self._prefill_layer
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -113,17 +124,22 @@ class AsyncEngine:
             self.close_stream(req_id)
             self.post(lambda e: e.abort(req_id))
 
-    def publish(self, request: Request) -> None:
-        """Engine thread: send the request's tokens not yet sent (and its end, if it ended)."""
+    def publish(self, request: Request, batch_size: int = 0, step_s: float = 0.0) -> None:
+        """Engine thread: send the request's tokens not yet sent (and its end, if it ended), with the
+        size and time of the step that made them."""
         stream = self._streams.get(request.req_id)
         if stream is None:
             return
         new_ids = request.output_token_ids[stream.num_sent:]
         if not new_ids and request.finish_reason is None:
             return
+        queue_s = None
+        if stream.num_sent == 0 and request.first_scheduled_time is not None:
+            queue_s = request.first_scheduled_time - request.arrival_time
         logprobs = request.output_logprobs[stream.num_sent:]
         stream.num_sent = request.num_output_tokens
-        stream.put(TokenEvent(new_ids, logprobs, request.finish_reason, request.num_local_prefill_tokens))
+        stream.put(TokenEvent(new_ids, logprobs, request.finish_reason, request.num_local_prefill_tokens,
+                              batch_size, step_s, queue_s))
 
     def post_event(self, req_id: str, event: Any) -> None:
         """Engine thread: hand any event to the request's stream (used by the prefill page hook)."""
@@ -166,10 +182,13 @@ class AsyncEngine:
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(exc)
                 continue
-            for request in result.requests:
-                self.publish(request)
+            seconds = time.perf_counter() - start
+            # The hook runs before the tokens go out, so it still sees every request of the step open
+            # (a prefill stream ends, and forgets its request, as soon as it has the first token).
             if self.on_step is not None:
-                self.on_step(result, time.perf_counter() - start)
+                self.on_step(result, seconds)
+            for request in result.requests:
+                self.publish(request, len(result.requests), seconds)
 
 
     def _fail_all(self, error: Exception) -> None:

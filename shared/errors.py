@@ -26,3 +26,7 @@ class UnavailableError(TandemError):
 
 class LayoutMismatchError(TandemError):
     """Two workers' KV layouts (dtype, shapes, model fingerprint) differ: pages cannot move between them."""
+
+
+class KVTransportError(TandemError):
+    """A KV transport cannot be used between two workers (e.g. a cuda-ipc handle that does not open)."""

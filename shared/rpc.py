@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem.shared.errors import (
     InvalidRequestError,
+    KVTransportError,
     LayoutMismatchError,
     OverloadedError,
     TandemError,
@@ -41,6 +42,7 @@ _STATUS_OF_ERROR: tuple[tuple[type[TandemError], grpc.StatusCode], ...] = (
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (KVTransportError, grpc.StatusCode.FAILED_PRECONDITION),
 )
 
 AddServicers = Callable[[grpc.aio.Server], Iterable[str]]

@@ -19,6 +19,7 @@ import grpc
 from tandem.shared import metrics
 from tandem.shared.async_engine import AsyncEngine
 from tandem.shared.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from tandem.shared.kv_ipc import gpu_uuid, transports_of
 from tandem.shared.kv_transfer import layout_to_proto
 from tandem.shared.registry import RedisRegistry, WorkerRecord
 from tandem.shared.rpc import AddServicers, start_server, stop_server
@@ -90,12 +91,18 @@ def build_engine_config(options: EngineOptions) -> EngineConfig:
 async def run_service(options: ServiceOptions, add_servicers: AddServicers,
                       record: Callable[[str], WorkerRecord] | None = None,
                       on_started: Callable[[str, int], None] | None = None,
-                      cleanup: Callable[[], Awaitable[None]] | None = None) -> None:
+                      cleanup: Callable[[], Awaitable[None]] | None = None,
+                      start_http: Callable[[str, int], Awaitable[int]] | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING at once, deregister, let calls in flight
-    finish for up to `drain_s`, stop. `record(address)` describes this worker for the registry."""
+    finish for up to `drain_s`, stop. `record(address)` describes this worker for the registry.
+    `start_http(host, port)` starts the service's own HTTP server (which must serve `/metrics`) in place
+    of the metrics-only one and returns its bound port; `cleanup` stops it."""
     server, port, health = await start_server(f"{options.host}:{options.port}", add_servicers,
                                               max_concurrent_streams=options.max_concurrent_streams)
-    http_port = metrics.serve_metrics(options.http_port, options.host)
+    if start_http is not None:
+        http_port = await start_http(options.host, options.http_port)
+    else:
+        http_port = metrics.serve_metrics(options.http_port, options.host)
     address = options.advertised(port)
     registry: RedisRegistry | None = None
     if options.redis_url and record is not None:
@@ -138,7 +145,8 @@ def worker_info(async_engine: AsyncEngine, role: str, model_name: str) -> worker
         role=role, model=model_name, layout=layout_to_proto(engine.layout),
         num_free_blocks=engine.num_free_blocks, num_total_blocks=engine.num_total_blocks,
         queue_depth=engine.scheduler.num_queued, num_running=len(engine.scheduler.running),
-        max_model_len=engine.max_model_len, vocab_size=engine.config.model.vocab_size)
+        max_model_len=engine.max_model_len, vocab_size=engine.config.model.vocab_size,
+        gpu_uuid=gpu_uuid(engine.runner.device), kv_transports=transports_of(engine.runner.device))
 
 
 def worker_record(async_engine: AsyncEngine, role: str, model_name: str, worker_id: str,

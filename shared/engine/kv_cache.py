@@ -48,10 +48,11 @@ def num_blocks_to_allocate(model: ModelConfig, cache: CacheConfig, dtype: torch.
         num_blocks = cache.num_blocks
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        # The fraction caps the whole process's use of the GPU (weights, graphs, activations, KV),
-        # so several workers can share one device by each taking its own share.
-        used = total - free
-        budget = int(total * cache.gpu_memory_fraction) - used
+        # The fraction caps this process's use of the GPU (weights, activations, KV), so several workers
+        # can share one device by each taking its own share; what others hold is respected through
+        # `free`, less a margin for CUDA graphs and the allocator.
+        used_here = torch.cuda.memory_reserved(device)
+        budget = min(int(total * cache.gpu_memory_fraction) - used_here, free - (2 << 30))
         num_blocks = max(budget, 0) // per_block
     else:
         num_blocks = cache.cpu_kv_bytes // per_block

@@ -73,7 +73,8 @@ ThreadsOpt = Annotated[int, typer.Option(help="torch CPU threads (0: torch's def
 
 def _worker(role: str, model: str, host: str, port: int, http_port: int, advertise: str | None,
             redis: str | None, device: str, threads: int, num_kv_blocks: int | None, max_model_len: int | None,
-            max_num_seqs: int, drain_s: float) -> None:
+            max_num_seqs: int, drain_s: float, kv_transport: str = "auto", gpu_memory_fraction: float = 0.85
+            ) -> None:
     import asyncio
     import logging
 
@@ -87,32 +88,42 @@ def _worker(role: str, model: str, host: str, port: int, http_port: int, adverti
     service = ServiceOptions(role=role, host=host, port=port, advertise=advertise, http_port=http_port,
                              redis_url=redis, drain_s=drain_s)
     engine = EngineOptions(model=model, device=device, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
-                           max_num_seqs=max_num_seqs)
+                           max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction)
     if role == "prefill":
-        from tandem.prefill_svc.server import serve
+        from tandem.prefill_svc.server import serve as serve_prefill
+
+        asyncio.run(serve_prefill(service, engine))
     else:
-        from tandem.decode_svc.server import serve
-    asyncio.run(serve(service, engine))
+        from tandem.decode_svc.server import serve as serve_decode
+
+        asyncio.run(serve_decode(service, engine, kv_transport))
 
 
 @app.command()
 def prefill(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: PortOpt = 50061,
             http_port: HttpPortOpt = 8061, advertise: AdvertiseOpt = None, redis: RedisOpt = None,
             device: DeviceOpt = "cpu", threads: ThreadsOpt = 0, num_kv_blocks: int | None = None,
-            max_model_len: int | None = None, max_num_seqs: int = 256, drain_s: float = 30.0) -> None:
+            max_model_len: int | None = None, max_num_seqs: int = 256, drain_s: float = 30.0,
+            gpu_memory_fraction: Annotated[float, typer.Option(help="Share of the GPU this worker may use.")] = 0.85,
+            ) -> None:
     """Run one prefill worker."""
     _worker("prefill", model, host, port, http_port, advertise, redis, device, threads, num_kv_blocks,
-            max_model_len, max_num_seqs, drain_s)
+            max_model_len, max_num_seqs, drain_s, gpu_memory_fraction=gpu_memory_fraction)
 
 
 @app.command()
 def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: PortOpt = 50071,
            http_port: HttpPortOpt = 8071, advertise: AdvertiseOpt = None, redis: RedisOpt = None,
            device: DeviceOpt = "cpu", threads: ThreadsOpt = 0, num_kv_blocks: int | None = None,
-           max_model_len: int | None = None, max_num_seqs: int = 256, drain_s: float = 30.0) -> None:
+           max_model_len: int | None = None, max_num_seqs: int = 256, drain_s: float = 30.0,
+           kv_transport: Annotated[str, typer.Option(help="auto | grpc | cuda-ipc (same GPU only).")] = "auto",
+           gpu_memory_fraction: Annotated[float, typer.Option(help="Share of the GPU this worker may use.")] = 0.85,
+           ) -> None:
     """Run one decode worker."""
+    if kv_transport not in ("auto", "grpc", "cuda-ipc"):
+        raise typer.BadParameter("must be auto, grpc or cuda-ipc", param_hint="--kv-transport")
     _worker("decode", model, host, port, http_port, advertise, redis, device, threads, num_kv_blocks,
-            max_model_len, max_num_seqs, drain_s)
+            max_model_len, max_num_seqs, drain_s, kv_transport, gpu_memory_fraction)
 
 
 @app.command()
@@ -164,13 +175,19 @@ def up(
     status_file: Annotated[Path | None, typer.Option(help="Write the services as JSON here.")] = None,
     demo: Annotated[str | None, typer.Option(help="Once up, stream a reply to this prompt.")] = None,
     exit_after_demo: bool = False,
+    kv_transport: Annotated[str, typer.Option(help="Decode workers' KV transport: auto | grpc | cuda-ipc.")] = "auto",
+    gpu_memory_fraction: Annotated[float | None, typer.Option(
+        help="GPU share per worker (default: 0.85 split evenly between the workers sharing the GPU).")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Decode batch cap per worker.")] = 256,
 ) -> None:
     """Start a gateway, N prefill and M decode workers (one process each), until Ctrl-C/SIGTERM."""
     from tandem.launcher import Stack, StackOptions
 
     options = StackOptions(model=model, num_prefill=prefill, num_decode=decode, redis_url=redis, device=device,
                            threads=threads, host=host, gateway_port=port, gateway_http_port=http_port,
-                           num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, status_file=status_file)
+                           num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, status_file=status_file,
+                           kv_transport=kv_transport, gpu_memory_fraction=gpu_memory_fraction,
+                           max_num_seqs=max_num_seqs)
     raise typer.Exit(Stack(options).run(demo=demo, exit_after_demo=exit_after_demo))
 
 

@@ -38,6 +38,9 @@ class StackOptions:
     status_file: Path | None = None
     log_dir: Path | None = None
     startup_timeout_s: float = 600.0
+    kv_transport: str = "auto"
+    gpu_memory_fraction: float | None = None
+    max_num_seqs: int = 256
 
 
 @dataclass
@@ -85,7 +88,11 @@ class Stack:
         common = ["--model", o.model]
         if o.redis_url:
             common += ["--redis", o.redis_url]
-        engine_flags = ["--device", o.device, "--threads", str(o.threads)]
+        engine_flags = ["--device", o.device, "--threads", str(o.threads), "--max-num-seqs", str(o.max_num_seqs)]
+        if o.device.startswith("cuda"):
+            # Workers on one GPU split it: each sizes its KV pool from its own share.
+            share = o.gpu_memory_fraction or round(0.85 / max(1, o.num_prefill + o.num_decode), 3)
+            engine_flags += ["--gpu-memory-fraction", str(share)]
         if o.num_kv_blocks:
             engine_flags += ["--num-kv-blocks", str(o.num_kv_blocks)]
         if o.max_model_len:
@@ -99,7 +106,8 @@ class Stack:
                 self.services.append(Service(
                     role, address, f"http://{o.host}:{http_port}",
                     base + [role, *common, *engine_flags, "--host", o.host, "--port", str(port),
-                            "--http-port", str(http_port)],
+                            "--http-port", str(http_port)]
+                    + (["--kv-transport", o.kv_transport] if role == "decode" else []),
                     log_dir / f"{role}-{i}.log"))
         gateway = base + ["gateway", *common, "--host", o.host, "--port", str(o.gateway_port),
                           "--http-port", str(o.gateway_http_port)]

@@ -1,0 +1,421 @@
+"""The OpenAI-compatible HTTP API: a second door into the gateway's pipeline, next to gRPC.
+
+One FastAPI app on the gateway's HTTP port, served by uvicorn inside the gateway's event loop, so it
+shares the gRPC servicer's `Router` (routing, detokenization, stop strings), not a copy of it. Also
+serves `/health` and the Prometheus `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import AsyncGenerator, Awaitable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from tandem.gateway.openai_protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseHeader,
+    chat_logprobs,
+    error_body,
+    usage,
+)
+from tandem.gateway.servicer import Completion, Router
+from tandem.shared.engine.sampling_params import SamplingParams
+from tandem.shared.errors import InvalidRequestError, OverloadedError, TandemError, UnavailableError
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+# (choice index, new token ids, new text, the choice's progress so far)
+_Event = tuple[int, list[int], str, Completion]
+
+# The router names fields after the gRPC API; a client of this API must hear its own field names.
+_CHAT_PARAMS = {"prompt": "messages", "prompt_token_ids": "messages", "input": "messages"}
+_COMPLETION_PARAMS = {"prompt_token_ids": "prompt", "input": "prompt"}
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """One sequence to generate: choice `index` of the response, sample of prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """How one endpoint words the same events: chat (message/delta) or legacy completion (text)."""
+
+    is_chat: bool
+    with_logprobs: bool
+    include_usage: bool
+    renames: dict[str, str] = field(default_factory=dict)
+
+    def choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None, *, final: bool,
+               first: bool = False) -> dict[str, Any]:
+        if not self.is_chat:
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if final:
+            body = {"role": "assistant", "content": text}
+            return {"index": index, "message": body, "logprobs": logprobs, "finish_reason": finish_reason}
+        # The first chunk of each choice carries the role, as OpenAI's do.
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def logprobs(self, tokenizer: Any, token_ids: list[int], logprobs: list[float]) -> Any:
+        if not self.with_logprobs:
+            return None
+        if self.is_chat:
+            return chat_logprobs(tokenizer, token_ids, logprobs)
+        return {"tokens": [tokenizer.decode([t]) for t in token_ids], "token_logprobs": logprobs,
+                "top_logprobs": None, "text_offset": None}
+
+
+def create_app(router: Router) -> FastAPI:
+    """The app serving `router`'s model. Errors answer in OpenAI's body shape."""
+    app = FastAPI(title="tandem", summary="OpenAI-compatible API of a tandem gateway")
+    _add_error_handlers(app)
+    model = router.model
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        renames = _CHAT_PARAMS
+        if body.max_completion_tokens is not None:
+            renames = {**renames, "max_tokens": "max_completion_tokens"}
+        endpoint = _Endpoint(is_chat=True, with_logprobs=body.logprobs, include_usage=body.include_usage,
+                             renames=renames)
+        with _openai_params(endpoint.renames):
+            router.check_model(body.model)
+            body.check_supported()
+            prompt_ids = router.prompt_ids(messages=[m.as_template_input() for m in body.messages])
+            default_max_tokens = model.max_model_len - len(prompt_ids)
+            choices = [_Choice(j, 0, prompt_ids, body.sampling_params(body.requested_max_tokens,
+                                                                      default_max_tokens, j))
+                       for j in range(body.n)]
+        header = ResponseHeader.new("chatcmpl", "chat.completion.chunk" if body.stream else "chat.completion",
+                                    model.name)
+        return await _respond(router, request, endpoint, header, choices, body.stream)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        endpoint = _Endpoint(is_chat=False, with_logprobs=body.logprobs is not None,
+                             include_usage=body.include_usage, renames=_COMPLETION_PARAMS)
+        with _openai_params(endpoint.renames):
+            router.check_model(body.model)
+            body.check_supported()
+            choices = []
+            for i, prompt in enumerate(body.prompts()):
+                ids = router.prompt_ids(prompt=prompt) if isinstance(prompt, str) else router.prompt_ids(
+                    token_ids=prompt)
+                choices += [_Choice(i * body.n + j, i, ids, body.sampling_params(
+                    body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, j)) for j in range(body.n)]
+        header = ResponseHeader.new("cmpl", "text_completion", model.name)
+        return await _respond(router, request, endpoint, header, choices, body.stream)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(router)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str) -> dict[str, Any]:
+        router.check_model(name)
+        return _model_card(router)
+
+    @app.get("/health")
+    async def health() -> Response:
+        # Ready means a request could be routed now: at least one decode worker is known.
+        if not await router.registry.workers("decode"):
+            return JSONResponse({"status": "no decode worker"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _model_card(router: Router) -> dict[str, Any]:
+    return {"id": router.model.name, "object": "model", "created": 0, "owned_by": "tandem",
+            "max_model_len": router.model.max_model_len}
+
+
+async def _respond(router: Router, request: Request, endpoint: _Endpoint, header: ResponseHeader,
+                   choices: list[_Choice], stream: bool) -> Response:
+    events = _generate(router, header.id, choices)
+    if not stream:
+        finals = await _unless_disconnected(request, _collect(events, endpoint))
+        if finals is None:
+            return Response(status_code=499)  # nobody is listening; the requests were cancelled
+        return JSONResponse(_final_body(router, endpoint, header, choices, finals))
+    # The first event comes before the response starts, so that a request refused by the router or by
+    # decode (a bad value, no worker, overload) gets a real status code rather than a 200 with an error.
+    with _openai_params(endpoint.renames):
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:  # no choices: cannot happen (n >= 1, prompts non-empty)
+            first = None
+    return _EventStream(_sse(router, endpoint, header, choices, first, events))
+
+
+async def _collect(events: AsyncGenerator[_Event, None],
+                   endpoint: _Endpoint) -> dict[int, Completion]:
+    finals: dict[int, Completion] = {}
+    with _openai_params(endpoint.renames):
+        async with contextlib.aclosing(events):
+            async for index, _, _, progress in events:
+                if progress.finish_reason is not None:
+                    finals[index] = progress
+    return finals
+
+
+def _final_body(router: Router, endpoint: _Endpoint, header: ResponseHeader, choices: list[_Choice],
+                finals: dict[int, Completion]) -> dict[str, Any]:
+    tokenizer = router.model.tokenizer
+    bodies = []
+    for choice in choices:
+        done = finals[choice.index]
+        logprobs = endpoint.logprobs(tokenizer, done.token_ids, done.logprobs)
+        bodies.append(endpoint.choice(choice.index, done.text, logprobs, done.finish_reason, final=True))
+    return header.body(bodies, usage=_usage(choices, finals))
+
+
+def _usage(choices: list[_Choice], finals: dict[int, Completion]) -> dict[str, int]:
+    # As OpenAI counts: each prompt once, however many samples it has; every sample's tokens.
+    prompt_lengths = {c.prompt_index: len(c.prompt_ids) for c in choices}
+    return usage(sum(prompt_lengths.values()), sum(len(p.token_ids) for p in finals.values()))
+
+
+async def _sse(router: Router, endpoint: _Endpoint, header: ResponseHeader, choices: list[_Choice],
+               first: _Event | None,
+               events: AsyncGenerator[_Event, None]) -> AsyncGenerator[str, None]:
+    """Server-sent events: a chunk per decode message that adds text, `[DONE]` at the end. An error
+    after the first chunk is sent as an `error` event (the status line has gone already)."""
+    tokenizer = router.model.tokenizer
+    extra = {"usage": None} if endpoint.include_usage else {}
+    started: set[int] = set()
+    finals: dict[int, Completion] = {}
+
+    def chunk(index: int, new_ids: list[int], text: str, progress: Completion) -> str | None:
+        is_first = index not in started
+        started.add(index)
+        if progress.finish_reason is not None:
+            finals[index] = progress
+        if not (text or is_first or progress.finish_reason or (new_ids and endpoint.with_logprobs)):
+            return None  # all held back by the detokenizer (a partial character or stop string)
+        num_done = len(progress.token_ids)
+        logprobs = endpoint.logprobs(tokenizer, new_ids, progress.logprobs[num_done - len(new_ids):num_done])
+        body = endpoint.choice(index, text, logprobs, progress.finish_reason, final=False, first=is_first)
+        return _event(header.body([body], **extra))
+
+    try:
+        async with contextlib.aclosing(events):
+            with _openai_params(endpoint.renames):
+                if first is not None and (event := chunk(*first)) is not None:
+                    yield event
+                async for index, new_ids, text, progress in events:
+                    if (event := chunk(index, new_ids, text, progress)) is not None:
+                        yield event
+        if endpoint.include_usage:
+            yield _event(header.body([], usage=_usage(choices, finals)))
+    except TandemError as error:
+        status, body = _error_response(error)
+        log.info("stream %s ended by %s (%d)", header.id, type(error).__name__, status)
+        yield _event(body)
+    yield "data: [DONE]\n\n"
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+async def _generate(router: Router, request_id: str,
+                    choices: list[_Choice]) -> AsyncGenerator[_Event, None]:
+    """All choices' router streams, concurrently, merged as (choice index, new ids, new text, progress).
+
+    Each choice is its own decode request. Closing this generator (a client gone, an error in one
+    choice) cancels every choice still running, so decode frees their blocks at once.
+    """
+    queue: asyncio.Queue[_Event | asyncio.Task[None]] = asyncio.Queue()
+
+    async def pump(choice: _Choice) -> None:
+        stream = router.stream(f"{request_id}-{choice.index}", choice.prompt_ids, choice.params)
+        # aclosing: a cancel that lands while this task waits on the queue still closes the decode call.
+        async with contextlib.aclosing(stream):
+            async for new_ids, text, progress in stream:
+                queue.put_nowait((choice.index, new_ids, text, progress))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    for task in tasks:
+        # A finished task reports itself through the queue, so its error reaches the consumer in order.
+        task.add_done_callback(queue.put_nowait)
+    try:
+        num_running = len(tasks)
+        while num_running:
+            item = await queue.get()
+            if isinstance(item, asyncio.Task):
+                num_running -= 1
+                error = None if item.cancelled() else item.exception()
+                if error is not None:
+                    raise error
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        # Wait for the cancels to run: each closes its decode stream (freeing blocks) before we return.
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that always closes its generator when the response ends, however it ends.
+
+    Starlette cancels the body on a client disconnect, but if that lands while the body is paused at a
+    `yield` (between chunks) the generator would stay open until garbage-collected, and with it the
+    decode request and its KV blocks. Closing it here cancels the request at once.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncGenerator[str, None]) -> None:
+        super().__init__(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._body = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
+    """`work`'s result, or None (with `work` cancelled) if the client disconnects first."""
+    work_task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.gather(work_task, return_exceptions=True)
+    return None if work_task.cancelled() else work_task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read (FastAPI parsed it), so the next message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# Errors ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _openai_params(renames: dict[str, str]) -> Iterator[None]:
+    """Re-raise an InvalidRequestError under the field name this request used."""
+    try:
+        yield
+    except InvalidRequestError as error:
+        name = renames.get(error.field, error.field)
+        if name == error.field:
+            raise
+        raise InvalidRequestError(name, error.message) from None
+
+
+def _error_response(error: TandemError) -> tuple[int, dict[str, Any]]:
+    if isinstance(error, InvalidRequestError):
+        if error.field == "model":
+            return 404, error_body(error.message, "invalid_request_error", "model", "model_not_found")
+        return 400, error_body(str(error), "invalid_request_error", error.field)
+    if isinstance(error, OverloadedError):
+        return 429, error_body(str(error), "rate_limit_error", None, "rate_limit_exceeded")
+    if isinstance(error, UnavailableError):
+        return 503, error_body(str(error), "server_error", None, "service_unavailable")
+    log.error("unmapped %s: %s", type(error).__name__, error)
+    return 500, error_body(str(error), "server_error")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(TandemError)
+    async def tandem_error(request: Request, error: TandemError) -> Response:
+        status, body = _error_response(error)
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError) -> Response:
+        # Pydantic's first complaint, with its location as OpenAI's `param` ("messages.0.role").
+        first = error.errors()[0]
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "extra_forbidden":
+            message = f"{param}: unsupported parameter"
+        else:
+            message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code,
+                            headers=error.headers)
+
+
+# Serving --------------------------------------------------------------------------------------------
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn in the gateway's own event loop. The gateway's drain owns SIGTERM/SIGINT, so uvicorn must
+    not take the signal handlers over."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class HttpServer:
+    """The running HTTP API: its bound port, and how to stop it."""
+
+    port: int
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def start_http_server(app: FastAPI, host: str, port: int, grace_s: float = 30.0) -> HttpServer:
+    """Serve `app` on host:port (0 picks a port) from the running event loop. Streams in flight get up to
+    `grace_s` to finish when stopped."""
+    # Bound and listening before returning: a client that learns the port can connect at once.
+    sock = socket.create_server((host, port), reuse_port=False)
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=int(grace_s))
+    server = _EmbeddedServer(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            await task  # raises what stopped it
+            raise RuntimeError("the HTTP server stopped while starting")
+        await asyncio.sleep(0.01)
+    bound_port = int(sock.getsockname()[1])
+    log.info("OpenAI-compatible HTTP API on %s:%d", host, bound_port)
+    return HttpServer(bound_port, server, task)
+
