@@ -25,7 +25,8 @@ async def serve(service: ServiceOptions, engine_options: EngineOptions, kv_trans
                        lambda: engine.engine.scheduler.num_queued)
 
     def on_step(result: StepResult, seconds: float) -> None:
-        metrics.BATCH_SIZE.observe(len(result.requests))
+        if result.requests:  # a step that found nothing to run (all waiting for pages) is no batch
+            metrics.BATCH_SIZE.observe(len(result.requests))
 
     engine.on_step = on_step
     servicer = DecodeServicer(engine, engine_options.model, kv_transport)

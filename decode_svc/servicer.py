@@ -4,13 +4,16 @@ the running batch, stream token ids. Falls back to prefilling locally when no pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import trace
 
+from tandem.decode_svc.tracing import DecodeTraces
 from tandem.shared import metrics
 from tandem.shared.async_engine import AsyncEngine, EngineFailure, TokenEvent
 from tandem.shared.engine.engine import Engine
@@ -21,6 +24,7 @@ from tandem.shared.kv_ipc import CUDA_IPC, GRPC, ExportedPool, choose_transport,
 from tandem.shared.kv_transfer import layout_to_proto, messages_to_pages
 from tandem.shared.rpc import make_channel
 from tandem.shared.service import is_unreachable, worker_info
+from tandem.shared.telemetry import ending, get_tracer, inject_metadata, record_error
 from tandem.shared.wire import finish_reason_to_proto, sampling_from_worker, sampling_to_worker
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -41,8 +45,11 @@ _RESERVE_RETRY_S = 0.005
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
-    def __init__(self, engine: AsyncEngine, model_name: str, kv_transport: str = "auto") -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, kv_transport: str = "auto",
+                 tracer: trace.Tracer | None = None) -> None:
         self.engine = engine
+        # The process-wide tracer unless one is given (tests host several services in one process).
+        self.traces = DecodeTraces(tracer or get_tracer("decode"))
         self.model_name = model_name
         self.kv_transport = kv_transport
         self.gpu_uuid = gpu_uuid(engine.engine.runner.device)
@@ -54,6 +61,26 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
     async def Generate(self, request: worker_pb2.DecodeRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        """`_generate` inside the request's `decode.generate` span (continuing the gateway's trace), with
+        the latency metrics of the request as decode sees it."""
+        arrival = time.perf_counter()
+        req_id = request.request_id
+        span = self.traces.start(req_id, len(request.prompt_token_ids), context.invocation_metadata())
+        time_to_first_token_s, num_tokens = 0.0, 0
+        try:
+            with ending(span):
+                async with contextlib.aclosing(self._generate(request)) as responses:
+                    async for response in responses:
+                        if num_tokens == 0:
+                            time_to_first_token_s = time.perf_counter() - arrival
+                        num_tokens += len(response.token_ids)
+                        if response.finish_reason:
+                            metrics.observe_latency(time_to_first_token_s, time.perf_counter() - arrival, num_tokens)
+                        yield response
+        finally:
+            self.traces.finish(req_id)
+
+    async def _generate(self, request: worker_pb2.DecodeRequest) -> AsyncIterator[worker_pb2.DecodeResponse]:
         arrival = time.perf_counter()
         req_id = request.request_id
         prompt = list(request.prompt_token_ids)
@@ -71,6 +98,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 if isinstance(event, EngineFailure):
                     raise event
                 assert isinstance(event, TokenEvent)
+                self.traces.on_event(req_id, event)
                 response = worker_pb2.DecodeResponse(
                     token_ids=event.token_ids, logprobs=event.logprobs,
                     finish_reason=finish_reason_to_proto(event.finish_reason) if event.finish_reason else 0)
@@ -95,11 +123,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         """Reserve blocks, have the prefill worker fill them, take the first token; False if the prefill
         worker failed (the reservation is dropped, and the caller prefills locally)."""
         engine = self.engine
-        while True:
-            reserved: Request | None = await engine.call(lambda e: e.reserve(req_id, prompt, params))
-            if reserved is not None:
-                break
-            await asyncio.sleep(_RESERVE_RETRY_S)
+        with ending(self.traces.child(req_id, "decode.admission")) as admission:
+            waited_from = time.perf_counter()
+            while True:
+                reserved: Request | None = await engine.call(lambda e: e.reserve(req_id, prompt, params))
+                if reserved is not None:
+                    break
+                await asyncio.sleep(_RESERVE_RETRY_S)
+            admission.set_attributes({"tandem.queue_wait_s": time.perf_counter() - waited_from,
+                                      "tandem.kv.blocks_reserved": len(reserved.block_ids)})
         request = reserved
         peer = await self._peer(address)
         try:
@@ -138,9 +170,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             target = worker_pb2.KVTarget(pool_id=pool.pool_id, block_ids=request.block_ids,
                                          pool_handle=b"" if peer.has_handle else pool.handle)
         stub = worker_pb2_grpc.PrefillStub(self._channel(address))
+        kv_span = self.traces.start_kv_transfer(req_id, transport, address)
         call = stub.Prefill(worker_pb2.PrefillRequest(
             request_id=req_id, prompt_token_ids=prompt, sampling=sampling_to_worker(params),
-            layout=layout_to_proto(layout), target=target))
+            layout=layout_to_proto(layout), target=target),
+            metadata=inject_metadata(trace.set_span_in_context(kv_span)))
         start = time.perf_counter()
         num_bytes = 0
         # cuda-ipc: from the request until the first token, the peer may be writing into our blocks.
@@ -172,9 +206,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                         num_bytes = len(request.block_ids) * layout.block_bytes_per_layer * 2 * layout.num_layers
                     metrics.KV_TRANSFER_BYTES.inc(num_bytes)
                     metrics.KV_TRANSFER_SECONDS.observe(time.perf_counter() - start)
+                    self.traces.kv_transferred(kv_span, num_bytes, layout.num_layers, time.perf_counter() - start)
                     return True
             raise ValueError("prefill stream ended without a first token")
         except (grpc.aio.AioRpcError, ValueError) as error:
+            record_error(kv_span, error)  # whatever happens next (a fallback, or the error goes on)
             if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise  # the caller decides (cuda-ipc fallback, or a real layout mismatch)
             if isinstance(error, grpc.aio.AioRpcError) and not is_unreachable(error):
@@ -188,6 +224,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             return False
         finally:
             call.cancel()
+            kv_span.end()
             if peer_may_write:
                 # Cancelled mid-transfer: the blocks stay held until the writer has stopped.
                 self.quarantined.add(req_id)

@@ -20,6 +20,9 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
@@ -36,6 +39,7 @@ from tandem.gateway.openai_protocol import (
 from tandem.gateway.servicer import Completion, Router
 from tandem.shared.engine.sampling_params import SamplingParams
 from tandem.shared.errors import InvalidRequestError, OverloadedError, TandemError, UnavailableError
+from tandem.shared.telemetry import ending, extract_context, record_error
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +104,8 @@ def create_app(router: Router) -> FastAPI:
             renames = {**renames, "max_tokens": "max_completion_tokens"}
         endpoint = _Endpoint(is_chat=True, with_logprobs=body.logprobs, include_usage=body.include_usage,
                              renames=renames)
-        with _openai_params(endpoint.renames):
+        span = _start_span(router, request, "chat.completions")
+        with _current_until_error(span), _openai_params(endpoint.renames):
             router.check_model(body.model)
             body.check_supported()
             prompt_ids = router.prompt_ids(messages=[m.as_template_input() for m in body.messages])
@@ -110,13 +115,14 @@ def create_app(router: Router) -> FastAPI:
                        for j in range(body.n)]
         header = ResponseHeader.new("chatcmpl", "chat.completion.chunk" if body.stream else "chat.completion",
                                     model.name)
-        return await _respond(router, request, endpoint, header, choices, body.stream)
+        return await _respond(router, request, endpoint, header, choices, body.stream, span)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         endpoint = _Endpoint(is_chat=False, with_logprobs=body.logprobs is not None,
                              include_usage=body.include_usage, renames=_COMPLETION_PARAMS)
-        with _openai_params(endpoint.renames):
+        span = _start_span(router, request, "completions")
+        with _current_until_error(span), _openai_params(endpoint.renames):
             router.check_model(body.model)
             body.check_supported()
             choices = []
@@ -126,7 +132,7 @@ def create_app(router: Router) -> FastAPI:
                 choices += [_Choice(i * body.n + j, i, ids, body.sampling_params(
                     body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, j)) for j in range(body.n)]
         header = ResponseHeader.new("cmpl", "text_completion", model.name)
-        return await _respond(router, request, endpoint, header, choices, body.stream)
+        return await _respond(router, request, endpoint, header, choices, body.stream, span)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -157,8 +163,9 @@ def _model_card(router: Router) -> dict[str, Any]:
 
 
 async def _respond(router: Router, request: Request, endpoint: _Endpoint, header: ResponseHeader,
-                   choices: list[_Choice], stream: bool) -> Response:
-    events = _generate(router, header.id, choices)
+                   choices: list[_Choice], stream: bool, span: Span) -> Response:
+    span.set_attributes({"tandem.request_id": header.id, "tandem.num_choices": len(choices)})
+    events = _generate(router, header.id, choices, span)
     if not stream:
         finals = await _unless_disconnected(request, _collect(events, endpoint))
         if finals is None:
@@ -245,17 +252,26 @@ def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-async def _generate(router: Router, request_id: str,
-                    choices: list[_Choice]) -> AsyncGenerator[_Event, None]:
+async def _generate(router: Router, request_id: str, choices: list[_Choice],
+                    span: Span) -> AsyncGenerator[_Event, None]:
     """All choices' router streams, concurrently, merged as (choice index, new ids, new text, progress).
 
-    Each choice is its own decode request. Closing this generator (a client gone, an error in one
-    choice) cancels every choice still running, so decode frees their blocks at once.
+    Each choice is its own decode request, traced under `span`, which ends with this generator. Closing
+    the generator (a client gone, an error in one choice) cancels every choice still running, so decode
+    frees their blocks at once.
     """
+    with ending(span):
+        async for event in _merged(router, request_id, choices, trace.set_span_in_context(span)):
+            yield event
+
+
+async def _merged(router: Router, request_id: str, choices: list[_Choice],
+                  trace_context: otel_context.Context) -> AsyncGenerator[_Event, None]:
     queue: asyncio.Queue[_Event | asyncio.Task[None]] = asyncio.Queue()
 
     async def pump(choice: _Choice) -> None:
-        stream = router.stream(f"{request_id}-{choice.index}", choice.prompt_ids, choice.params)
+        stream = router.stream(f"{request_id}-{choice.index}", choice.prompt_ids, choice.params,
+                               trace_context=trace_context)
         # aclosing: a cancel that lands while this task waits on the queue still closes the decode call.
         async with contextlib.aclosing(stream):
             async for new_ids, text, progress in stream:
@@ -322,6 +338,24 @@ async def _disconnected(request: Request) -> None:
     # The body has been read (FastAPI parsed it), so the next message can only be the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _start_span(router: Router, request: Request, name: str) -> Span:
+    # A root span per request, under the caller's trace if its headers carry one (W3C traceparent).
+    return router.tracer.start_span(name, context=extract_context(request.headers.items()), kind=SpanKind.SERVER)
+
+
+@contextlib.contextmanager
+def _current_until_error(span: Span) -> Iterator[None]:
+    """`span` current around the request's validation (so `tokenize` nests under it), and ended here
+    if validation fails; otherwise `_generate` ends it with the request."""
+    with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+        try:
+            yield
+        except TandemError as error:
+            record_error(span, error)
+            span.end()
+            raise
 
 
 # Errors ---------------------------------------------------------------------------------------------

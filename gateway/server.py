@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from tandem.gateway.http_api import HttpServer, create_app, start_http_server
 from tandem.gateway.servicer import GatewayModel, GenerationServicer, Router
 from tandem.shared.config import EngineConfig
 from tandem.shared.kv_transfer import layout_from_proto
@@ -56,12 +57,22 @@ async def serve(service: ServiceOptions, model: str, prefill: Sequence[str], dec
     await registry.start()
     router = Router(load_gateway_model(model, max_model_len), registry)
 
+    http: HttpServer | None = None
+
     def add(server: grpc.aio.Server) -> list[str]:
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(router), server)
         return ["tandem.v1.Generation"]
 
+    async def start_http(host: str, port: int) -> int:
+        # The OpenAI-compatible API (and /metrics) in this event loop, sharing the router with gRPC.
+        nonlocal http
+        http = await start_http_server(create_app(router), host, port, grace_s=service.drain_s)
+        return http.port
+
     async def cleanup() -> None:
+        if http is not None:  # before the router's channels close under its streams
+            await http.stop()
         await router.close()
         await registry.stop()
 
-    await run_service(service, add, cleanup=cleanup)
+    await run_service(service, add, cleanup=cleanup, start_http=start_http)

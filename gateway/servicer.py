@@ -232,11 +232,7 @@ def _passthrough(error: grpc.aio.AioRpcError) -> Exception:
 
 
 def _observe(progress: Completion) -> None:
-    metrics.TIME_TO_FIRST_TOKEN.observe(progress.time_to_first_token_s)
-    metrics.E2E_LATENCY.observe(progress.e2e_s)
-    if len(progress.token_ids) > 1:
-        metrics.TIME_PER_OUTPUT_TOKEN.observe(
-            (progress.e2e_s - progress.time_to_first_token_s) / (len(progress.token_ids) - 1))
+    metrics.observe_latency(progress.time_to_first_token_s, progress.e2e_s, len(progress.token_ids))
     metrics.REQUESTS.labels(status=progress.finish_reason or "unknown").inc()
 
 

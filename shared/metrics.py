@@ -34,6 +34,14 @@ BATCH_SIZE = Histogram("tandem_batch_size", "Requests per engine step",
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 
 
+def observe_latency(time_to_first_token_s: float, e2e_s: float, num_output_tokens: int) -> None:
+    """One finished request's latency histograms (TPOT only when there is a token after the first)."""
+    TIME_TO_FIRST_TOKEN.observe(time_to_first_token_s)
+    E2E_LATENCY.observe(e2e_s)
+    if num_output_tokens > 1:
+        TIME_PER_OUTPUT_TOKEN.observe((e2e_s - time_to_first_token_s) / (num_output_tokens - 1))
+
+
 def track_pool(num_total: Callable[[], int], num_free: Callable[[], int], queue_depth: Callable[[], int]) -> None:
     """Read the engine's pool and queue at scrape time (no bookkeeping on the hot path)."""
     KV_BLOCKS_TOTAL.set_function(num_total)

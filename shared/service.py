@@ -23,6 +23,7 @@ from tandem.shared.kv_ipc import gpu_uuid, transports_of
 from tandem.shared.kv_transfer import layout_to_proto
 from tandem.shared.registry import RedisRegistry, WorkerRecord
 from tandem.shared.rpc import AddServicers, start_server, stop_server
+from tandem.shared.telemetry import SERVICE_NAMES, setup_tracing
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,9 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
     finish for up to `drain_s`, stop. `record(address)` describes this worker for the registry.
     `start_http(host, port)` starts the service's own HTTP server (which must serve `/metrics`) in place
     of the metrics-only one and returns its bound port; `cleanup` stops it."""
+    # Tracing (off unless OTEL_* asks for it) is set up first: the servicers' tracers are proxies that
+    # record from then on. Replicas share a service.name; the instance id tells them apart.
+    tracer_provider = setup_tracing(SERVICE_NAMES[options.role], instance_id=options.advertised(options.port))
     server, port, health = await start_server(f"{options.host}:{options.port}", add_servicers,
                                               max_concurrent_streams=options.max_concurrent_streams)
     if start_http is not None:
@@ -125,6 +129,8 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
     await stop_server(server, health, options.drain_s)
     if cleanup is not None:
         await cleanup()
+    if tracer_provider is not None:
+        tracer_provider.shutdown()  # exports the spans still queued
 
 
 def new_worker_id(role: str) -> str:

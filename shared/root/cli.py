@@ -163,6 +163,17 @@ def client(
 
 
 @app.command()
+def healthcheck(
+    address: Annotated[str, typer.Argument(help="host:port of a tandem gRPC server.")] = "127.0.0.1:50051",
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the answer.")] = 2.0,
+) -> None:
+    """Exit 0 if the server reports SERVING over grpc.health.v1, else 1 (container health checks)."""
+    from tandem.launcher import is_serving
+
+    raise typer.Exit(0 if is_serving(address, timeout) else 1)
+
+
+@app.command()
 def up(
     model: ModelOpt = "smollm2-135m",
     prefill: Annotated[int, typer.Option("--prefill", help="Prefill workers.")] = 1,

@@ -113,5 +113,6 @@ def test_choose_num_splits_bounds(num_seqs: int, num_kv_heads: int, max_context:
 
 def test_choose_num_splits_examples() -> None:
     # H200 (132 SMs), Llama-3.1-8B (8 kv heads): batch 1 at 16k context splits, batch 64 does not.
-    assert choose_num_splits(1, 8, 16384, 132) == 33
+    assert choose_num_splits(1, 8, 16384, 132) == MAX_SPLITS
+    assert choose_num_splits(1, 8, 1024, 132) == 1024 // MIN_TOKENS_PER_SPLIT
     assert choose_num_splits(64, 8, 1024, 132) == 1
