@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,14 @@ class Case:
     extra: dict[str, Any] | None = None
 
 
+def _all_results(args: tuple[Any, ...], result: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    return list(result)
+
+
+def _the_caches(args: tuple[Any, ...], result: None) -> list[torch.Tensor]:
+    return [args[2], args[3]]  # store_kv returns nothing: compare what it wrote
+
+
 def _clone(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
@@ -92,39 +101,51 @@ def build_cases(shape: ModelShape, workload: Workload, dtype: torch.dtype, devic
     def randn(*size: int) -> torch.Tensor:
         return torch.randn(*size, dtype=dtype, device=device)
 
+    weight = randn(H)
+    cos_sin = torch.randn(8192, D, dtype=torch.float32, device=device)
+
+    def norm_args(T: int) -> tuple[Any, ...]:
+        return randn(T, H), weight, 1e-5
+
+    def add_norm_args(T: int) -> tuple[Any, ...]:
+        return randn(T, H), randn(T, H), weight, 1e-5
+
+    def silu_args(T: int) -> tuple[Any, ...]:
+        return (randn(T, 2 * inter),)
+
+    def rope_args(T: int) -> tuple[Any, ...]:
+        return torch.randint(0, cos_sin.shape[0], (T,), device=device), randn(T, Hq, D), randn(T, Hkv, D), cos_sin
+
+    def store_args(T: int) -> tuple[Any, ...]:
+        # Twice the blocks the tokens need, slots drawn at random over all of them.
+        num_slots = -(-T // workload.block_size) * 2 * workload.block_size
+        caches = [torch.zeros(num_slots // workload.block_size, workload.block_size, Hkv, D, dtype=dtype,
+                              device=device) for _ in range(2)]
+        return randn(T, Hkv, D), randn(T, Hkv, D), *caches, torch.randperm(num_slots, device=device)[:T]
+
     cases: list[Case] = []
     for T in workload.num_tokens:
-        weight = randn(H)
-        cases.append(Case(shape.name, "rms_norm", f"T={T}", lambda T=T, w=weight: (randn(T, H), w, 1e-5),
-                          bytes_moved=(2 * T * H + H) * e))
-        cases.append(Case(shape.name, "fused_add_rms_norm", f"T={T}",
-                          lambda T=T, w=weight: (randn(T, H), randn(T, H), w, 1e-5),
-                          bytes_moved=(4 * T * H + H) * e, outputs=lambda args, result: list(result)))
-        cases.append(Case(shape.name, "silu_and_mul", f"T={T}", lambda T=T: (randn(T, 2 * inter),),
-                          bytes_moved=3 * T * inter * e))
-        cos_sin = torch.randn(8192, D, dtype=torch.float32, device=device)
-        cases.append(Case(shape.name, "rotary_embedding", f"T={T}",
-                          lambda T=T, c=cos_sin: (torch.randint(0, 8192, (T,), device=device),
-                                                  randn(T, Hq, D), randn(T, Hkv, D), c),
-                          bytes_moved=2 * T * (Hq + Hkv) * D * e + T * (D * 4 + 8),
-                          outputs=lambda args, result: list(result)))
-        num_blocks = -(-T // workload.block_size) * 2
-        cases.append(Case(shape.name, "store_kv", f"T={T}",
-                          lambda T=T, n=num_blocks: (
-                              randn(T, Hkv, D), randn(T, Hkv, D),
-                              torch.zeros(n, workload.block_size, Hkv, D, dtype=dtype, device=device),
-                              torch.zeros(n, workload.block_size, Hkv, D, dtype=dtype, device=device),
-                              torch.randperm(n * workload.block_size, device=device)[:T]),
-                          bytes_moved=4 * T * Hkv * D * e + 8 * T,
-                          outputs=lambda args, result: [args[2], args[3]]))
+        cases += [
+            Case(shape.name, "rms_norm", f"T={T}", partial(norm_args, T), bytes_moved=(2 * T * H + H) * e),
+            Case(shape.name, "fused_add_rms_norm", f"T={T}", partial(add_norm_args, T),
+                 bytes_moved=(4 * T * H + H) * e, outputs=_all_results),
+            Case(shape.name, "silu_and_mul", f"T={T}", partial(silu_args, T), bytes_moved=3 * T * inter * e),
+            Case(shape.name, "rotary_embedding", f"T={T}", partial(rope_args, T),
+                 bytes_moved=2 * T * (Hq + Hkv) * D * e + T * (D * 4 + 8), outputs=_all_results),
+            Case(shape.name, "store_kv", f"T={T}", partial(store_args, T),
+                 bytes_moved=4 * T * Hkv * D * e + 8 * T, outputs=_the_caches),
+        ]
     seq_lens = workload.prefill_seq_lens
     num_tokens = sum(seq_lens)
     bounds = [0, *torch.tensor(seq_lens).cumsum(0).tolist()]
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
     causal_pairs = sum(n * (n + 1) // 2 for n in seq_lens)
-    cases.append(Case(shape.name, "prefill_attention", f"{len(seq_lens)}x{max(seq_lens)}",
-                      lambda: (randn(num_tokens, Hq, D), randn(num_tokens, Hkv, D), randn(num_tokens, Hkv, D),
-                               cu_seqlens, max(seq_lens), D ** -0.5),
+
+    def prefill_args() -> tuple[Any, ...]:
+        qkv = randn(num_tokens, Hq, D), randn(num_tokens, Hkv, D), randn(num_tokens, Hkv, D)
+        return *qkv, cu_seqlens, max(seq_lens), D ** -0.5
+
+    cases.append(Case(shape.name, "prefill_attention", f"{len(seq_lens)}x{max(seq_lens)}", prefill_args,
                       bytes_moved=2 * num_tokens * (Hq + Hkv) * D * e, flops=4 * Hq * D * causal_pairs))
     for batch, context in workload.decode:
         cases.append(_decode_case(shape, batch, context, workload.block_size, dtype, device, num_sms,
@@ -177,9 +198,9 @@ class Timer:
         if self.flush is None:
             times = []
             for _ in range(self.iters):
-                start = time.perf_counter()
+                started = time.perf_counter()
                 fn()
-                times.append((time.perf_counter() - start) * 1e3)
+                times.append((time.perf_counter() - started) * 1e3)
             return statistics.median(times)
         torch.cuda.synchronize(self.device)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -221,7 +242,7 @@ def run_case(case: Case, impls: dict[str, Callable[..., Any]], timer: Timer, dty
         # In-place ops (rope, fused add, store_kv) rerun on their own copy: values drift, shapes don't.
         run_args = _clone(args)
         try:
-            ms = timer(lambda f=impls[name], a=run_args: f(*a))
+            ms = timer(partial(impls[name], *run_args))
         except Exception as exc:  # noqa: BLE001  torch.compile may fail on any op: record it, keep going
             if name != "compiled":
                 raise
@@ -252,7 +273,9 @@ OPS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "st
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     def us(r: dict[str, Any], name: str) -> str:
-        return f"{r[name]['ms'] * 1e3:9.1f}" if "ms" in r[name] else f"{'error':>9}"
+        if "ms" in r[name]:
+            return f"{r[name]['ms'] * 1e3:9.1f}"
+        return "skipped" if r[name]["error"].startswith("skipped") else "error"
 
     print(f"{'model':<14}{'op':<24}{'shape':<16}{'triton us':>10}{'torch us':>10}{'compile us':>11}"
           f"{'GB/s':>8}{'%peak':>7}{'x torch':>8}  ok")

@@ -84,14 +84,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         arrival = time.perf_counter()
         req_id = request.request_id
         prompt = list(request.prompt_token_ids)
+        prior = list(request.output_token_ids)  # a resumed request's tokens, already with the client
         params = sampling_from_worker(request.sampling)
-        events = self.engine.open_stream(req_id)
+        events = self.engine.open_stream(req_id, num_already_sent=len(prior))
         try:
             remote_ok = False
             if request.prefill_address:
-                remote_ok = await self._prefill_remotely(req_id, prompt, params, request.prefill_address)
+                remote_ok = await self._prefill_remotely(req_id, prompt, params, request.prefill_address, prior)
             if not remote_ok:
-                await self.engine.call(lambda e: e.add_request(req_id, prompt, params))
+                await self.engine.call(lambda e: e.add_request(req_id, prompt, params, output_token_ids=prior))
             first = True
             while True:
                 event = await events.get()
@@ -119,14 +120,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 self.engine.post(lambda e: e.abort(req_id))
 
     async def _prefill_remotely(self, req_id: str, prompt: list[int], params: SamplingParams,
-                                address: str) -> bool:
+                                address: str, prior: list[int]) -> bool:
         """Reserve blocks, have the prefill worker fill them, take the first token; False if the prefill
         worker failed (the reservation is dropped, and the caller prefills locally)."""
         engine = self.engine
         with ending(self.traces.child(req_id, "decode.admission")) as admission:
             waited_from = time.perf_counter()
             while True:
-                reserved: Request | None = await engine.call(lambda e: e.reserve(req_id, prompt, params))
+                reserved: Request | None = await engine.call(lambda e: e.reserve(req_id, prompt, params, prior))
                 if reserved is not None:
                     break
                 await asyncio.sleep(_RESERVE_RETRY_S)
@@ -173,7 +174,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         kv_span = self.traces.start_kv_transfer(req_id, transport, address)
         call = stub.Prefill(worker_pb2.PrefillRequest(
             request_id=req_id, prompt_token_ids=prompt, sampling=sampling_to_worker(params),
-            layout=layout_to_proto(layout), target=target),
+            layout=layout_to_proto(layout), target=target, output_token_ids=request.output_token_ids),
             metadata=inject_metadata(trace.set_span_in_context(kv_span)))
         start = time.perf_counter()
         num_bytes = 0

@@ -14,7 +14,7 @@ import torch
 from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
 
 _LOG2E = 1.4426950408889634
-# A split streams at least one 64-token tile; fewer tokens would not pay for its partial write.
+# A split streams at least 64 tokens: a shorter slice would not pay for its partial write and combine.
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 64
 

@@ -106,13 +106,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         params = sampling_from_worker(request.sampling)
         req_id = request.request_id
         if request.HasField("target"):
-            self._targets[req_id] = self._open_target(request.target, len(request.prompt_token_ids))
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            self._targets[req_id] = self._open_target(request.target, num_tokens)
         start = time.perf_counter()
         events = self.engine.open_stream(req_id)
         num_bytes = 0
         try:
-            prompt = list(request.prompt_token_ids)
-            await self.engine.call(lambda e: e.add_request(req_id, prompt, params, prefill_only=True))
+            prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
+            await self.engine.call(lambda e: e.add_request(req_id, prompt, params, prefill_only=True,
+                                                           output_token_ids=prior))
             while True:
                 event = await events.get()
                 if isinstance(event, PagesEvent):
@@ -128,7 +130,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 assert isinstance(event, TokenEvent)
                 self.traces.first_token(req_id, event, num_bytes, "cuda-ipc" if request.HasField("target") else "grpc")
                 yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
-                    token_id=event.token_ids[0], logprob=event.logprobs[0],
+                    token_id=event.token_ids[-1], logprob=event.logprobs[-1],
                     prefill_s=time.perf_counter() - start))
                 break
         finally:

@@ -98,9 +98,10 @@ class AsyncEngine:
         """Fire and forget: run `fn(engine)` on the engine thread, in order with other commands."""
         self._submit(lambda: fn(self.engine))
 
-    def open_stream(self, req_id: str) -> asyncio.Queue[Any]:
-        """Events for `req_id` (TokenEvent, or what the prefill hook posts) arrive on the queue."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+    def open_stream(self, req_id: str, num_already_sent: int = 0) -> asyncio.Queue[Any]:
+        """Events for `req_id` (TokenEvent, or what the prefill hook posts) arrive on the queue.
+        `num_already_sent`: output tokens the client has already (a resumed request's)."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), num_sent=num_already_sent)
         self._streams[req_id] = stream
         return stream.events
 

@@ -96,17 +96,27 @@ class Engine:
                               f"{self.block_pool.num_blocks}")
 
     def new_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> Request:
+                    prefill_only: bool = False, output_token_ids: list[int] | None = None) -> Request:
+        """`output_token_ids`: tokens already generated elsewhere (a request resumed after its decode worker
+        failed); generation continues after them, with the same seeds, as if it had never moved."""
         if req_id in self.requests:
             raise InvalidRequestError("request_id", f"{req_id!r} is already in flight")
+        outputs = list(output_token_ids or [])
         self.validate(prompt_token_ids, params)
+        if outputs:
+            # max_tokens counts them, so the context check on the prompt alone already covers them.
+            vocab_size = self.config.model.vocab_size
+            if any(not 0 <= t < vocab_size for t in outputs):
+                raise InvalidRequestError("output_token_ids", f"a token id is outside the vocabulary [0, {vocab_size})")
+            if len(outputs) >= params.max_tokens:
+                raise InvalidRequestError("output_token_ids", f"{len(outputs)} tokens already reach max_tokens")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         return Request(req_id=req_id, prompt_token_ids=list(prompt_token_ids), params=params, seed=seed,
-                       prefill_only=prefill_only)
+                       prefill_only=prefill_only, output_token_ids=outputs, output_logprobs=[0.0] * len(outputs))
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> Request:
-        request = self.new_request(req_id, prompt_token_ids, params, prefill_only)
+                    prefill_only: bool = False, output_token_ids: list[int] | None = None) -> Request:
+        request = self.new_request(req_id, prompt_token_ids, params, prefill_only, output_token_ids)
         self.requests[req_id] = request
         self.scheduler.add(request)
         return request
@@ -150,12 +160,13 @@ class Engine:
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     # -- decode role ------------------------------------------------------------------------------------
-    def reserve(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request | None:
+    def reserve(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                output_token_ids: list[int] | None = None) -> Request | None:
         """Hold blocks for a prompt a remote worker prefills; None when they are not free now.
 
         `params.seed` must be the seed the prefill worker samples the first token with.
         """
-        request = self.new_request(req_id, prompt_token_ids, params)
+        request = self.new_request(req_id, prompt_token_ids, params, output_token_ids=output_token_ids)
         if not self.scheduler.reserve(request):
             return None
         self.requests[req_id] = request

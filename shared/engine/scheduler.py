@@ -57,7 +57,7 @@ class Scheduler:
     # -- remote prefill (decode role) ----------------------------------------------------------
     def reserve(self, request: Request) -> bool:
         """Reserve blocks for a prompt that a remote worker prefills; False if they are not free now."""
-        num_blocks = num_blocks_for(request.num_prompt_tokens, self.block_size)
+        num_blocks = num_blocks_for(request.num_tokens, self.block_size)
         if not self.block_pool.can_allocate(num_blocks):
             return False
         request.block_ids = self.block_pool.allocate(num_blocks)

@@ -178,3 +178,21 @@ async def test_cancel_frees_the_blocks_on_decode(workers: tuple[Worker, Worker])
         await asyncio.sleep(0.01)
     assert engine.num_free_blocks == engine.num_total_blocks
     engine.block_pool.check_integrity()
+
+
+@pytest.mark.parametrize("remote", [True, False])
+async def test_resumed_request_continues_token_exact(workers: tuple[Worker, Worker], model_folder: Path,
+                                                     remote: bool) -> None:
+    """What the gateway sends when a decode worker died mid-stream: prompt + tokens already streamed."""
+    prefill, decode = workers
+    prompt = prompts_for(512, [13])[0]
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    llm = LLM(str(model_folder), max_model_len=128, max_num_batched_tokens=256, block_size=4)
+    full = llm.generate([prompt], params)[0].token_ids
+    request = worker_pb2.DecodeRequest(request_id="resume", prompt_token_ids=prompt,
+                                       sampling=sampling_to_worker(params),
+                                       prefill_address=prefill.address if remote else "",
+                                       output_token_ids=full[:5])
+    tokens, local = await generate(decode, request)
+    assert tokens == full[5:]
+    assert local == (0 if remote else len(prompt) + 5)

@@ -221,12 +221,12 @@ async def test_models_health_metrics(client: openai.AsyncOpenAI, router: FakeRou
     assert (await http.get("http://test/health")).status_code == 503
 
 
-async def asgi_call(app: Any, body: dict[str, Any], disconnect: asyncio.Event,
+async def asgi_call(app: Any, path: str, body: dict[str, Any], disconnect: asyncio.Event,
                     sent: list[dict[str, Any]]) -> None:
     """One POST straight through ASGI; `disconnect` set = the client hangs up."""
     request = {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": body.pop("_path"), "raw_path": b"", "query_string": b"",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": b"", "query_string": b"",
              "headers": [(b"content-type", b"application/json")], "client": ("t", 1), "server": ("t", 80)}
     messages = [request]
 
@@ -247,11 +247,14 @@ async def test_client_disconnect_cancels_the_request(router: FakeRouter, stream:
     router.delay_s = 0.02
     disconnect = asyncio.Event()
     sent: list[dict[str, Any]] = []
-    body = {"_path": "/v1/completions", "model": MODEL, "prompt": "x", "max_tokens": 40, "n": 2,
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 40, "n": 2,
             "stream": stream}
-    call = asyncio.create_task(asgi_call(create_app(router), body, disconnect, sent))
-    while router.num_open < 2:
+    call = asyncio.create_task(asgi_call(create_app(router), "/v1/completions", body, disconnect, sent))
+    for _ in range(200):
+        if router.num_open == 2:
+            break
         await asyncio.sleep(0.01)
+    assert router.num_open == 2, sent
     await asyncio.sleep(0.1)  # a few tokens in
     disconnect.set()
     await asyncio.wait_for(call, timeout=2)
