@@ -14,6 +14,11 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     TANDEM_HOME=/models
 
+# Triton (the CUDA kernels) compiles a small C launcher per kernel signature at run time.
+RUN if [ "${TORCH_VARIANT}" != "cpu" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*; \
+    fi
+
 # torch first, from the chosen index: `pip install .` alone would resolve PyPI's default build, which
 # is not what a CPU host wants. A layer of its own, so code changes do not reinstall it.
 RUN pip install --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" "${TORCH_SPEC}"

@@ -211,10 +211,14 @@ def decode_latency(args: argparse.Namespace) -> dict[str, Any]:
                 step_s = statistics.median(times)
                 mean_ctx = context + 3 + num_steps / 2
                 floor_s = (wbytes + batch * mean_ctx * kvb) / HBM_BYTES_PER_S
+                partial = args.out / "decode-latency.partial.json"  # survives a timeout
                 rows.append({"model": model, "variant": label, "batch": batch, "context": context,
                              "step_ms": step_s * 1e3, "tok_per_s": batch / step_s, "floor_ms": floor_s * 1e3,
                              "fraction_of_floor": floor_s / step_s,
                              "weight_gb": wbytes / 1e9, "kv_gb_per_step": batch * mean_ctx * kvb / 1e9})
+                args.out.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1))
+                print(rows[-1], flush=True)
             del engine
             free_memory()
     return {"rows": rows}

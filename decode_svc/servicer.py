@@ -108,9 +108,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     response.num_local_prefill_tokens = event.num_local_prefill_tokens
                     metrics.LOCAL_PREFILL_TOKENS.inc(event.num_local_prefill_tokens)
                     first = False
+                if event.finish_reason is not None:
+                    # Counted before the last message goes out: the gateway cancels the call once it has it,
+                    # and this generator may never resume after the `yield`.
+                    metrics.REQUESTS.labels(status=event.finish_reason).inc()
                 yield response
                 if event.finish_reason is not None:
-                    metrics.REQUESTS.labels(status=event.finish_reason).inc()
                     return
         finally:
             self.engine.close_stream(req_id)

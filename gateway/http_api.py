@@ -178,7 +178,7 @@ async def _respond(router: Router, request: Request, endpoint: _Endpoint, header
             first = await anext(events)
         except StopAsyncIteration:  # no choices: cannot happen (n >= 1, prompts non-empty)
             first = None
-    return _EventStream(_sse(router, endpoint, header, choices, first, events))
+    return _EventStream(_sse(router, endpoint, header, choices, first, events), events)
 
 
 async def _collect(events: AsyncGenerator[_Event, None],
@@ -300,24 +300,26 @@ async def _merged(router: Router, request_id: str, choices: list[_Choice],
 
 
 class _EventStream(StreamingResponse):
-    """An SSE response that always closes its generator when the response ends, however it ends.
+    """An SSE response that closes its generators when the response ends, however it ends.
 
     Starlette cancels the body on a client disconnect, but if that lands while the body is paused at a
-    `yield` (between chunks) the generator would stay open until garbage-collected, and with it the
-    decode request and its KV blocks. Closing it here cancels the request at once.
+    `yield` (between chunks), or before the body has started, the generators would stay open until
+    garbage-collected, and with them the decode requests and their KV blocks. Closing the body, then the
+    `events` it would have consumed, cancels the requests at once.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncGenerator[str, None]) -> None:
+    def __init__(self, body: AsyncGenerator[str, None], events: AsyncGenerator[_Event, None]) -> None:
         super().__init__(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._body = body
+        self._generators = (body, events)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._body.aclose()
+            for generator in self._generators:
+                await generator.aclose()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
@@ -439,7 +441,7 @@ async def start_http_server(app: FastAPI, host: str, port: int, grace_s: float =
     """Serve `app` on host:port (0 picks a port) from the running event loop. Streams in flight get up to
     `grace_s` to finish when stopped."""
     # Bound and listening before returning: a client that learns the port can connect at once.
-    sock = socket.create_server((host, port), reuse_port=False)
+    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=int(grace_s))
     server = _EmbeddedServer(config)

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,7 +118,7 @@ class Router:
 
     async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      timeout: float | None = None, trace_context: Context | None = None,
-                     ) -> AsyncIterator[tuple[list[int], str, Completion]]:
+                     ) -> AsyncGenerator[tuple[list[int], str, Completion], None]:
         """Yield (new token ids, new text, progress) as decode streams; the last has finish_reason set.
 
         Traced as a `route` span and a `stream` span (the decode call and detokenization) under

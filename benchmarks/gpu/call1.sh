@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# GPU call 1 (issue 3): kernel tests and benchmark, engine correctness (Triton path vs reference on the
-# same weights), decode step latency against the HBM floor. Results land in $OUT.
+# GPU call 1 (issue 3): engine correctness (Triton path vs reference on the same weights), decode step
+# latency against the HBM floor, offline throughput of tandem and of HF transformers (static and
+# continuous batching), each in its own process. Results land in $OUT.
 set -uo pipefail
 source benchmarks/gpu/setup.sh
-step() { local name=$1; shift; echo "== $name"; timeout "$@" 2>&1 | tee "$OUT/$name.log" | tail -25; }
-step kernel-tests 120 python3 -m pytest -q -x tests/kernels -p no:cacheprovider
-step kernels 200 python3 -m tandem.benchmarks.kernels --out "$OUT/kernels.json"
-step correctness 120 python3 -m tandem.benchmarks.gpu_engine correctness --model dummy:llama-3.2-1b --steps 300 --out "$OUT"
-step decode-latency 240 python3 -m tandem.benchmarks.gpu_engine decode-latency --out "$OUT"
+step() { local name=$1; shift; echo "== $name"; timeout "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/$name.log"; }
+E="python3 -m tandem.benchmarks.gpu_engine"
+step correctness 80 $E correctness --model dummy:llama-3.2-1b --steps 300 --out "$OUT"
+step decode-latency 170 $E decode-latency --out "$OUT"
+step offline 100 $E offline --out "$OUT"
+step hf-static 100 $E hf --mode static --out "$OUT"
+step hf-batch 80 $E hf --mode batch --num-requests 64 --out "$OUT"

@@ -8,6 +8,7 @@ processes: as `traceparent` metadata.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,7 +106,8 @@ async def stop_all(owned: list[object], providers: list[TracerProvider]) -> None
         elif isinstance(thing, Router):
             await thing.close()
     for provider in providers:
-        provider.shutdown()
+        # In a thread: the last export goes to the receiver, which this event loop serves.
+        await asyncio.to_thread(provider.shutdown)
 
 
 @pytest.fixture

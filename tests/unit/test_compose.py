@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +25,35 @@ SCHEMA = ROOT.parent / "shared" / "data" / "compose-spec.json"
 WORKERS = ("prefill", "decode")
 TANDEM_SERVICES = ("model", "prefill", "decode", "gateway")
 
-_RESET = object()  # compose's `!reset` tag: drop the key the base file set
+@dataclass(frozen=True)
+class _Reset:
+    """compose's `!reset VALUE` tag: drop what the base file set (VALUE is what the file alone holds)."""
+
+    value: Any
 
 
 class _ComposeLoader(yaml.SafeLoader):
     """YAML as compose reads it: merge keys (as SafeLoader) and the `!reset` tag."""
 
 
-_ComposeLoader.add_constructor("!reset", lambda loader, node: _RESET)
+def _construct_reset(loader: yaml.SafeLoader, node: yaml.Node) -> _Reset:
+    if isinstance(node, yaml.MappingNode):
+        return _Reset(loader.construct_mapping(node, deep=True))
+    if isinstance(node, yaml.SequenceNode):
+        return _Reset(loader.construct_sequence(node, deep=True))
+    return _Reset(loader.construct_scalar(node) or None)  # type: ignore[arg-type]
+
+
+_ComposeLoader.add_constructor("!reset", _construct_reset)
+
+
+def _alone(tree: Any) -> Any:
+    """A file as compose validates it on its own, before merging: each `!reset` holds its value."""
+    if isinstance(tree, _Reset):
+        return tree.value
+    if isinstance(tree, dict):
+        return {key: _alone(value) for key, value in tree.items()}
+    return [_alone(value) for value in tree] if isinstance(tree, list) else tree
 
 
 def interpolate(text: str, env: Mapping[str, str]) -> str:
@@ -48,25 +70,34 @@ def interpolate(text: str, env: Mapping[str, str]) -> str:
     return re.sub(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}", substitute, text)
 
 
-def merge(base: Any, override: Any) -> Any:
-    """The override file applied to the base: mappings merge, `!reset` drops a key, anything else (a
-    sequence such as `command`, a scalar) is replaced, as compose does for the keys our override sets."""
-    if not (isinstance(base, dict) and isinstance(override, dict)):
-        return override
-    merged = dict(base)
-    for key, value in override.items():
-        if value is _RESET:
-            merged.pop(key, None)
-        else:
-            merged[key] = merge(base[key], value) if key in base else value
-    return merged
+_REPLACED_SEQUENCES = ("command", "entrypoint", "test")
+
+
+def merge(base: Any, override: Any, key: str = "") -> Any:
+    """The override file applied to the base, by compose's rules: mappings merge, sequences append
+    (except shell commands, which are replaced), scalars are replaced, `!reset` drops a key."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = dict(base)
+        for name, value in override.items():
+            if isinstance(value, _Reset):
+                merged.pop(name, None)
+            else:
+                merged[name] = merge(base[name], value, name) if name in base else value
+        return merged
+    if isinstance(base, list) and isinstance(override, list) and key not in _REPLACED_SEQUENCES:
+        return base + override
+    return override
+
+
+def load_file(name: str, env: Mapping[str, str] | None = None) -> Any:
+    return yaml.load(interpolate((ROOT / name).read_text(), env or {}), Loader=_ComposeLoader)
 
 
 def load(*names: str, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The application model of `docker compose -f NAME -f NAME ...`."""
     model: Any = {}
     for name in names:
-        text = interpolate((ROOT / name).read_text(), env or {})
-        model = merge(model, yaml.load(text, Loader=_ComposeLoader))
+        model = merge(model, load_file(name, env))
     return model
 
 
@@ -79,7 +110,10 @@ def test_valid_against_the_compose_spec_schema(project: str) -> None:
         pytest.skip(f"no Compose Specification schema at {SCHEMA} (the shared data folder beside the repo); "
                     "the compose-spec package still checks the file")
     # Draft 7, as the schema declares (its "$schema" URL lacks the "#" jsonschema looks validators up by).
-    jsonschema.Draft7Validator(json.loads(SCHEMA.read_text())).validate(load(*PROJECTS[project]))
+    validator = jsonschema.Draft7Validator(json.loads(SCHEMA.read_text()))
+    for name in PROJECTS[project]:  # each file alone, as compose checks them before merging
+        validator.validate(_alone(load_file(name)))
+    validator.validate(load(*PROJECTS[project]))
 
 
 @pytest.mark.parametrize("project", sorted(PROJECTS))
@@ -110,7 +144,7 @@ def test_gpu_layout() -> None:
 
     cpu = load("compose.yaml", "compose.cpu.yaml")["services"]
     for role in WORKERS:
-        assert "deploy" not in cpu[role] and "ipc" not in cpu[role]
+        assert "deploy" not in cpu[role]
         assert cpu[role]["command"][cpu[role]["command"].index("--device") + 1] == "cpu"
         assert cpu[role]["build"]["args"]["TORCH_VARIANT"] == "cpu"
 

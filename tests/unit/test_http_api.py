@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -51,9 +51,9 @@ class FakeRouter(Router):
     makes every request fail as if no worker were up."""
 
     def __init__(self) -> None:
-        model = GatewayModel(MODEL, SimpleNamespace(vocab_size=0x110000), max_model_len=64,  # type: ignore[arg-type]
+        model = GatewayModel(MODEL, SimpleNamespace(vocab_size=0x110000), max_model_len=64,
                              tokenizer=CharTokenizer())
-        super().__init__(model, FakeRegistry())  # type: ignore[arg-type]
+        super().__init__(model, FakeRegistry())
         self.delay_s = 0.0
         self.unavailable = False
         self.params: list[SamplingParams] = []
@@ -61,7 +61,7 @@ class FakeRouter(Router):
 
     async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      timeout: float | None = None, trace_context: Any = None,
-                     ) -> AsyncIterator[tuple[list[int], str, Completion]]:
+                     ) -> AsyncGenerator[tuple[list[int], str, Completion], None]:
         if len(prompt_ids) + params.max_tokens > self.model.max_model_len:
             raise InvalidRequestError("max_tokens", "exceeds the context length")
         if self.unavailable:
@@ -95,10 +95,16 @@ def router() -> FakeRouter:
 
 
 @pytest.fixture
-async def client(router: FakeRouter) -> AsyncIterator[openai.AsyncOpenAI]:
+async def http(router: FakeRouter) -> AsyncIterator[httpx2.AsyncClient]:
+    # The app in-process: openai's own HTTP library (httpx2) calls it through ASGI, no sockets.
     transport = httpx2.ASGITransport(app=create_app(router))
     async with httpx2.AsyncClient(transport=transport, base_url="http://test") as http:
-        yield openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
+        yield http
+
+
+@pytest.fixture
+def client(http: httpx2.AsyncClient) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
 
 
 async def test_chat_completion(client: openai.AsyncOpenAI, router: FakeRouter) -> None:
@@ -210,14 +216,14 @@ async def test_unknown_model_is_404_and_unavailable_is_503(client: openai.AsyncO
         assert unavailable.value.status_code == 503
 
 
-async def test_models_health_metrics(client: openai.AsyncOpenAI, router: FakeRouter) -> None:
+async def test_models_health_metrics(client: openai.AsyncOpenAI, http: httpx2.AsyncClient,
+                                     router: FakeRouter) -> None:
     assert [m.id for m in (await client.models.list()).data] == [MODEL]
     assert (await client.models.retrieve(MODEL)).id == MODEL
-    http = client._client  # the httpx2 client given to openai
     assert (await http.get("http://test/health")).status_code == 200
     metrics = await http.get("http://test/metrics")
     assert metrics.headers["content-type"].startswith("text/plain") and "tandem_requests" in metrics.text
-    router.registry.num_decode = 0  # type: ignore[attr-defined]
+    router.registry.num_decode = 0
     assert (await http.get("http://test/health")).status_code == 503
 
 

@@ -1,0 +1,49 @@
+"""The stack on one GPU: prefill and decode processes sharing it, KV pages over cuda-ipc and over grpc."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.v1 import generation_pb2
+from tests.e2e.test_stack import start_stack, stream
+
+pytestmark = [pytest.mark.gpu, pytest.mark.e2e,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+MODEL = "dummy:llama-3.2-1b"
+
+
+def token_request(prompt: list[int]) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        prompt_token_ids=generation_pb2.TokenIds(ids=prompt),
+        sampling=generation_pb2.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+
+
+PROMPTS = [[1000 + (7 * i + 13 * j) % 30000 for j in range(n)] for i, n in enumerate([5, 100, 400, 900])]
+
+
+def run_prompts(tmp_path: Path, transport: str) -> tuple[list[list[int]], float, float]:
+    """Outputs (one at a time, so every run batches alike), and decode's transfer bytes and local tokens."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    for stack in start_stack(tmp_path, "--device", "cuda", "--kv-transport", transport, model=MODEL):
+        gateway = stack.address("gateway")
+        outputs = [stream(gateway, token_request(p))[0] for p in PROMPTS]
+        with ThreadPoolExecutor(4) as pool:  # and concurrently: nothing lost, nothing hung
+            concurrent = list(pool.map(lambda p, g=gateway: stream(g, token_request(p))[0], PROMPTS))
+        assert all(len(o) == 16 for o in concurrent)
+        sent = stack.metric("decode", "tandem_kv_transfer_bytes_total")
+        local = stack.metric("decode", "tandem_decode_local_prefill_tokens_total")
+        assert stack.metric("decode", "tandem_kv_blocks_free") == stack.metric("decode", "tandem_kv_blocks_total")
+    return outputs, sent, local
+
+
+def test_cuda_ipc_and_grpc_give_the_same_tokens(tmp_path: Path) -> None:
+    ipc, ipc_bytes, ipc_local = run_prompts(tmp_path / "ipc", "cuda-ipc")
+    grpc_out, grpc_bytes, grpc_local = run_prompts(tmp_path / "grpc", "grpc")
+    assert ipc_local == 0 and grpc_local == 0  # every prompt was prefilled by the prefill worker
+    assert ipc_bytes > 0 and grpc_bytes > 0
+    assert ipc == grpc_out
