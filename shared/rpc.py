@@ -78,8 +78,9 @@ def map_errors(behavior: _Behavior) -> _Behavior:
         @functools.wraps(behavior)
         async def stream_wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                # aclosing: if the call is cancelled while this wrapper is suspended at `yield`, the
-                # handler's own clean-up (freeing KV blocks, say) runs now, not when it is collected.
+                # aclosing: whenever this wrapper is closed (grpc.aio leaves that to the loop's
+                # async-generator finalizer if the call is cancelled while it writes a message), the
+                # handler's clean-up (freeing KV blocks, say) runs then, not when it is collected too.
                 async with contextlib.aclosing(behavior(request, context)) as responses:
                     async for response in responses:
                         yield response

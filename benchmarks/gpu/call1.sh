@@ -4,7 +4,7 @@
 # continuous batching), each in its own process. Results land in $OUT.
 set -uo pipefail
 source benchmarks/gpu/setup.sh
-step() { local name=$1; shift; echo "== $name"; timeout "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; tail -4 "$OUT/$name.log"; }
+
 E="python3 -m tandem.benchmarks.gpu_engine"
 step correctness 80 $E correctness --model dummy:llama-3.2-1b --steps 300 --out "$OUT"
 step decode-latency 170 $E decode-latency --out "$OUT"

@@ -61,7 +61,8 @@ class ModelRunner:
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and config.use_cuda_graphs:
+        # The references sync with the host (boolean indexing), which a capture forbids: graphs need Triton.
+        if self.device.type == "cuda" and config.use_cuda_graphs and self.ops.name == "triton":
             self.graphs = DecodeGraphs(self, max_batch_size=config.scheduler.max_num_seqs)
             self.graphs.capture()
 

@@ -38,6 +38,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
+        self.waiting = asyncio.Event()  # set when a "slow" stream's handler waits for release
         self.closed = asyncio.Event()  # set when a "slow" stream's handler has cleaned up
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
@@ -51,6 +52,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         yield generation_pb2.GenerateResponse(request_id=request.request_id, text="first")
         if request.prompt == "slow":
             try:
+                self.waiting.set()
                 await self.release.wait()
             finally:
                 self.closed.set()
@@ -180,6 +182,7 @@ async def test_client_cancel_runs_the_handlers_clean_up(served) -> None:
     generation, channel, _, _ = served
     call = generation_pb2_grpc.GenerationStub(channel).Generate(generation_pb2.GenerateRequest(prompt="slow"))
     assert (await call.read()).text == "first"
+    await asyncio.wait_for(generation.waiting.wait(), timeout=5.0)
     call.cancel()
     await asyncio.wait_for(generation.closed.wait(), timeout=5.0)
 
