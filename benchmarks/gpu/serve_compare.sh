@@ -7,7 +7,7 @@ MODEL=$1 RATES=$2 NUM=$3 PROMPT=$4 OUTPUT=$5
 run_stack() {  # NAME NUM_PREFILL
     local name=$1 prefill=$2 port=$((50100 + RANDOM % 800))
     rm -f "/tmp/status-$name.json"
-    python3 -m tandem.cli up --model "$MODEL" --device cuda --prefill "$prefill" --decode 1 --port "$port" \
+    python3 -m tandem.cli up --model "$MODEL" --device cuda --prefill "$prefill" --decode 1 --port "$port" --max-num-seqs 64 \
         --http-port $((port + 1000)) --status-file "/tmp/status-$name.json" > "/tmp/up-$name.log" 2>&1 &
     local pid=$!
     for _ in $(seq 300); do [ -f "/tmp/status-$name.json" ] && break; sleep 0.5; done

@@ -29,7 +29,8 @@ PROMPTS = [[1000 + (7 * i + 13 * j) % 30000 for j in range(n)] for i, n in enume
 def run_prompts(tmp_path: Path, transport: str) -> tuple[list[list[int]], float, float]:
     """Outputs (one at a time, so every run batches alike), and decode's transfer bytes and local tokens."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    for stack in start_stack(tmp_path, "--device", "cuda", "--kv-transport", transport, model=MODEL):
+    for stack in start_stack(tmp_path, "--device", "cuda", "--kv-transport", transport, "--max-num-seqs", "64",
+                             model=MODEL):
         gateway = stack.address("gateway")
         outputs = [stream(gateway, token_request(p))[0] for p in PROMPTS]
         with ThreadPoolExecutor(4) as pool:  # and concurrently: nothing lost, nothing hung
