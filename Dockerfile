@@ -26,7 +26,7 @@ RUN pip install --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" 
 WORKDIR /src
 COPY . .
 # convert: `tandem fetch-model`; http: the gateway's OpenAI-compatible API.
-RUN pip install ".[convert,http]" && rm -rf /src
+RUN pip install ".[convert]" && rm -rf /src
 
 # Models live in a volume shared by the services (compose's `model` service fills it once).
 RUN useradd --create-home --uid 1000 tandem && mkdir -p /models && chown tandem /models
