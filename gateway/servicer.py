@@ -72,9 +72,15 @@ class Router:
     Used by the gRPC servicer and by the OpenAI-compatible HTTP API alike.
     """
 
-    def __init__(self, model: GatewayModel, registry: Registry, tracer: trace.Tracer | None = None) -> None:
+    def __init__(self, model: GatewayModel, registry: Registry, tracer: trace.Tracer | None = None,
+                 max_concurrent_requests: int = 1024) -> None:
+        if max_concurrent_requests < 1:
+            raise ValueError(f"max_concurrent_requests must be >= 1, got {max_concurrent_requests}")
         self.model = model
         self.registry = registry
+        # Backpressure: past this many streams in flight (gRPC and HTTP together), RESOURCE_EXHAUSTED at once.
+        self.max_concurrent_requests = max_concurrent_requests
+        self._num_active = 0
         # The process-wide tracer unless one is given (tests host several services in one process).
         self.tracer = tracer or get_tracer("gateway")
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -121,73 +127,135 @@ class Router:
                      ) -> AsyncGenerator[tuple[list[int], str, Completion], None]:
         """Yield (new token ids, new text, progress) as decode streams; the last has finish_reason set.
 
-        Traced as a `route` span and a `stream` span (the decode call and detokenization) under
-        `trace_context`, by default the caller's current context; decode continues the trace.
+        A decode worker that fails (unreachable, dies, ends the stream early, or is full) is left out and
+        the request goes on on another one: before any token it simply starts there; after some tokens it
+        resumes with the tokens already yielded (the new worker re-prefills prompt + those tokens and,
+        sampling being placement-free, continues token-exact), so the caller sees one stream. It ends with
+        UNAVAILABLE (RESOURCE_EXHAUSTED if the last worker was full) only when no decode worker is left.
+
+        Traced as a `route` span per attempt and a `stream` span (the decode calls and detokenization)
+        under `trace_context`, by default the caller's current context; decode continues the trace.
         """
         limit = self.model.max_model_len
         if len(prompt_ids) + params.max_tokens > limit:
             raise InvalidRequestError("max_tokens", f"{params.max_tokens} plus the {len(prompt_ids)}-token "
                                                     f"prompt exceeds the context length {limit}")
-        params = with_resolved_seed(params)
+        if self._num_active >= self.max_concurrent_requests:
+            metrics.REQUESTS.labels(status="resource_exhausted").inc()
+            raise OverloadedError(f"the gateway is at its limit of {self.max_concurrent_requests} "
+                                  "concurrent requests; retry later")
+        self._num_active += 1
+        try:
+            async for chunk in self._stream(request_id, prompt_ids, with_resolved_seed(params), timeout,
+                                            trace_context):
+                yield chunk
+        finally:
+            self._num_active -= 1
+
+    async def _stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      timeout: float | None, trace_context: Context | None,
+                      ) -> AsyncGenerator[tuple[list[int], str, Completion], None]:
         arrival = time.perf_counter()
+        deadline = None if timeout is None else arrival + timeout
         parent = otel_context.get_current() if trace_context is None else trace_context
-        prefill, decode = await self._route(parent)
         detok = IncrementalDetokenizer(self.model.tokenizer, prompt_ids, stop=params.stop,
                                        skip_special_tokens=params.skip_special_tokens)
         progress = Completion(request_id, prompt_ids, [])
+        failed: set[str] = set()  # decode workers this request has given up on
+        last_error: Exception | None = None
         span = self.tracer.start_span("stream", context=parent, attributes={
             "tandem.request_id": request_id, "tandem.prompt_tokens": len(prompt_ids),
-            "tandem.max_tokens": params.max_tokens, "tandem.decode.address": decode.address})
+            "tandem.max_tokens": params.max_tokens})
+        with ending(span):
+            try:
+                while True:
+                    try:
+                        prefill, decode = await self._route(parent, exclude=failed)
+                    except UnavailableError:
+                        metrics.REQUESTS.labels(status="error").inc()
+                        if isinstance(last_error, OverloadedError):
+                            raise last_error from None
+                        raise UnavailableError(f"no decode worker left for {request_id}"
+                                               + (f" (last: {last_error})" if last_error else "")) from None
+                    if not failed:
+                        span.set_attribute("tandem.decode.address", decode.address)
+                    else:
+                        span.add_event("resume", {"tandem.decode.address": decode.address,
+                                                  "tandem.resumed_tokens": len(progress.token_ids)})
+                        log.warning("%s: resuming on %s after %d tokens (%s)", request_id, decode.address,
+                                    len(progress.token_ids), last_error)
+                    remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                    try:
+                        async for chunk in self._attempt(decode, prefill, request_id, prompt_ids, params,
+                                                         remaining, span, detok, progress, arrival):
+                            yield chunk
+                        return
+                    except _RetryableError as error:
+                        failed.add(decode.address)
+                        last_error = error.cause
+            finally:
+                span.set_attributes({"tandem.completion_tokens": len(progress.token_ids),
+                                     "tandem.finish_reason": progress.finish_reason or "",
+                                     "tandem.time_to_first_token_s": progress.time_to_first_token_s,
+                                     "tandem.num_decode_failures": len(failed)})
+
+    async def _attempt(self, decode: WorkerRecord, prefill: WorkerRecord | None, request_id: str,
+                       prompt_ids: list[int], params: SamplingParams, timeout: float | None, span: trace.Span,
+                       detok: IncrementalDetokenizer, progress: Completion, arrival: float,
+                       ) -> AsyncGenerator[tuple[list[int], str, Completion], None]:
+        """One decode call, continuing `progress`; raises `_RetryableError` when another worker may finish
+        the request."""
         stub = worker_pb2_grpc.DecodeStub(self._channel(decode.address))
         call = stub.Generate(worker_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_worker(params),
-            prefill_address=prefill.address if prefill is not None else ""), timeout=timeout,
+            prefill_address=prefill.address if prefill is not None else "",
+            output_token_ids=progress.token_ids), timeout=timeout,
             metadata=inject_metadata(trace.set_span_in_context(span)))
-        with ending(span):
-            try:
-                async for response in call:
-                    if not progress.token_ids:
-                        progress.time_to_first_token_s = time.perf_counter() - arrival
-                    new_ids = list(response.token_ids)
-                    new_logprobs = list(response.logprobs)
-                    text = detok.push(new_ids)
-                    if detok.stopped:
-                        # Only the tokens up to the one completing the stop string count.
-                        new_ids = new_ids[:detok.num_tokens_used - len(progress.token_ids)]
-                        new_logprobs = new_logprobs[:len(new_ids)]
-                        progress.finish_reason = "stop"
-                    elif response.finish_reason:
-                        progress.finish_reason = finish_reason_from_proto(response.finish_reason)
-                        text += detok.finish()
-                    progress.token_ids += new_ids
-                    progress.logprobs += new_logprobs
-                    progress.text += text
-                    if progress.finish_reason is not None:
-                        progress.e2e_s = time.perf_counter() - arrival
-                        _observe(progress)
-                        yield new_ids, text, progress
-                        return
+        try:
+            async for response in call:
+                if not progress.token_ids:
+                    progress.time_to_first_token_s = time.perf_counter() - arrival
+                new_ids = list(response.token_ids)
+                new_logprobs = list(response.logprobs)
+                text = detok.push(new_ids)
+                if detok.stopped:
+                    # Only the tokens up to the one completing the stop string count.
+                    new_ids = new_ids[:detok.num_tokens_used - len(progress.token_ids)]
+                    new_logprobs = new_logprobs[:len(new_ids)]
+                    progress.finish_reason = "stop"
+                elif response.finish_reason:
+                    progress.finish_reason = finish_reason_from_proto(response.finish_reason)
+                    text += detok.finish()
+                progress.token_ids += new_ids
+                progress.logprobs += new_logprobs
+                progress.text += text
+                if progress.finish_reason is not None:
+                    progress.e2e_s = time.perf_counter() - arrival
+                    _observe(progress)
                     yield new_ids, text, progress
-                raise UnavailableError(f"decode worker {decode.address} ended the stream early")
-            except grpc.aio.AioRpcError as error:
-                if error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    grpc.StatusCode.DEADLINE_EXCEEDED):
-                    metrics.REQUESTS.labels(status=error.code().name.lower()).inc()
-                    raise _passthrough(error) from None
-                metrics.REQUESTS.labels(status="error").inc()
-                raise UnavailableError(f"decode worker {decode.address}: {error.details()}") from None
-            finally:
-                # A stop string, a client cancel or an error: decode frees the request's blocks at once.
-                call.cancel()
-                span.set_attributes({"tandem.completion_tokens": len(progress.token_ids),
-                                     "tandem.finish_reason": progress.finish_reason or "",
-                                     "tandem.time_to_first_token_s": progress.time_to_first_token_s})
+                    return
+                yield new_ids, text, progress
+            raise _RetryableError(UnavailableError(f"decode worker {decode.address} ended the stream early"))
+        except grpc.aio.AioRpcError as error:
+            code = error.code()
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise _RetryableError(OverloadedError(error.details() or "")) from None
+            if code in _RETRYABLE:
+                raise _RetryableError(UnavailableError(f"decode worker {decode.address}: {error.details()}")
+                                      ) from None
+            metrics.REQUESTS.labels(status=code.name.lower()).inc()
+            raise _passthrough(error) from None
+        finally:
+            # A stop string, a client cancel or an error: decode frees the request's blocks at once.
+            call.cancel()
 
-    async def _route(self, parent: Context) -> tuple[WorkerRecord | None, WorkerRecord]:
-        """The (prefill, decode) pair for a request, in a `route` span that says which and why."""
+    async def _route(self, parent: Context, exclude: set[str] | frozenset[str] = frozenset(),
+                     ) -> tuple[WorkerRecord | None, WorkerRecord]:
+        """The (prefill, decode) pair for a request, in a `route` span that says which and why; decode
+        workers in `exclude` (those this request has failed on) are left out."""
         with ending(self.tracer.start_span("route", context=parent)) as span:
             prefills = await self.registry.workers("prefill")
-            decodes = await self.registry.workers("decode")
+            decodes = [d for d in await self.registry.workers("decode") if d.address not in exclude]
             prefill, decode = pick_pair(prefills, decodes, None)
             num_compatible = sum(p.fingerprint == decode.fingerprint for p in prefills)
             if prefill is None:
@@ -211,6 +279,20 @@ class Router:
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
+
+
+# Codes after which another decode worker may finish the request (a dead, draining or broken worker).
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED)
+
+
+class _RetryableError(Exception):
+    """One decode attempt failed in a way another worker may get past; `cause` is what the client gets if no
+    worker is left."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 class _PassthroughError(Exception):
