@@ -19,7 +19,8 @@ from tandem.shared.service import (
 from tandem.v1 import worker_pb2_grpc
 
 
-async def serve(service: ServiceOptions, engine_options: EngineOptions, kv_transport: str = "auto") -> None:
+async def serve(service: ServiceOptions, engine_options: EngineOptions, kv_transport: str = "auto",
+                max_queued: int = 1024) -> None:
     engine = AsyncEngine(Engine(build_engine_config(engine_options)), name="decode-engine")
     metrics.track_pool(lambda: engine.engine.num_total_blocks, lambda: engine.engine.num_free_blocks,
                        lambda: engine.engine.scheduler.num_queued)
@@ -29,7 +30,7 @@ async def serve(service: ServiceOptions, engine_options: EngineOptions, kv_trans
             metrics.BATCH_SIZE.observe(len(result.requests))
 
     engine.on_step = on_step
-    servicer = DecodeServicer(engine, engine_options.model, kv_transport)
+    servicer = DecodeServicer(engine, engine_options.model, kv_transport, max_queued=max_queued)
     worker_id = new_worker_id("decode")
 
     def add(server: grpc.aio.Server) -> list[str]:

@@ -19,7 +19,7 @@ from tandem.shared.async_engine import AsyncEngine, EngineFailure, TokenEvent
 from tandem.shared.engine.engine import Engine
 from tandem.shared.engine.request import Request
 from tandem.shared.engine.sampling_params import SamplingParams
-from tandem.shared.errors import KVTransportError
+from tandem.shared.errors import DeadlineExceededError, KVTransportError, OverloadedError
 from tandem.shared.kv_ipc import CUDA_IPC, GRPC, ExportedPool, choose_transport, gpu_uuid
 from tandem.shared.kv_transfer import layout_to_proto, messages_to_pages
 from tandem.shared.rpc import make_channel
@@ -40,14 +40,25 @@ class PeerState:
     has_handle: bool = False  # it has opened our pool
     failed_ipc: bool = False  # it could not open it: use grpc from now on
 
+def _deadline(time_remaining: float | None) -> float | None:
+    """The call's deadline on `time.monotonic()`'s clock (None: the caller set none)."""
+    return None if time_remaining is None else time.monotonic() + time_remaining
+
+
 # How often a request that found no free blocks tries again (the pool frees blocks every step).
 _RESERVE_RETRY_S = 0.005
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     def __init__(self, engine: AsyncEngine, model_name: str, kv_transport: str = "auto",
-                 tracer: trace.Tracer | None = None) -> None:
+                 tracer: trace.Tracer | None = None, max_queued: int = 1024) -> None:
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self.engine = engine
+        # Backpressure: requests accepted but not yet running (waiting for blocks, for their pages, or to be
+        # scheduled) are bounded; past the bound a new one is refused with RESOURCE_EXHAUSTED at once.
+        self.max_queued = max_queued
+        self.num_queued = 0
         # The process-wide tracer unless one is given (tests host several services in one process).
         self.traces = DecodeTraces(tracer or get_tracer("decode"))
         self.model_name = model_name
@@ -65,12 +76,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         the latency metrics of the request as decode sees it."""
         arrival = time.perf_counter()
         req_id = request.request_id
+        if self.num_queued >= self.max_queued:
+            metrics.REQUESTS.labels(status="resource_exhausted").inc()
+            raise OverloadedError(f"decode worker has {self.num_queued} requests waiting (limit {self.max_queued})")
         span = self.traces.start(req_id, len(request.prompt_token_ids), context.invocation_metadata())
         time_to_first_token_s, num_tokens = 0.0, 0
+        self.num_queued += 1
+        is_queued = True
         try:
             with ending(span):
-                async with contextlib.aclosing(self._generate(request)) as responses:
+                # gRPC Python does not pass deadlines on: the Prefill call gets what is left of ours.
+                deadline = _deadline(context.time_remaining())
+                async with contextlib.aclosing(self._generate(request, deadline)) as responses:
                     async for response in responses:
+                        if is_queued:
+                            self.num_queued -= 1
+                            is_queued = False
                         if num_tokens == 0:
                             time_to_first_token_s = time.perf_counter() - arrival
                         num_tokens += len(response.token_ids)
@@ -78,9 +99,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                             metrics.observe_latency(time_to_first_token_s, time.perf_counter() - arrival, num_tokens)
                         yield response
         finally:
+            if is_queued:
+                self.num_queued -= 1
             self.traces.finish(req_id)
 
-    async def _generate(self, request: worker_pb2.DecodeRequest) -> AsyncIterator[worker_pb2.DecodeResponse]:
+    async def _generate(self, request: worker_pb2.DecodeRequest,
+                        deadline: float | None = None) -> AsyncIterator[worker_pb2.DecodeResponse]:
         arrival = time.perf_counter()
         req_id = request.request_id
         prompt = list(request.prompt_token_ids)
@@ -90,7 +114,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         try:
             remote_ok = False
             if request.prefill_address:
-                remote_ok = await self._prefill_remotely(req_id, prompt, params, request.prefill_address, prior)
+                remote_ok = await self._prefill_remotely(req_id, prompt, params, request.prefill_address, prior,
+                                                         deadline)
             if not remote_ok:
                 await self.engine.call(lambda e: e.add_request(req_id, prompt, params, output_token_ids=prior))
             first = True
@@ -123,7 +148,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 self.engine.post(lambda e: e.abort(req_id))
 
     async def _prefill_remotely(self, req_id: str, prompt: list[int], params: SamplingParams,
-                                address: str, prior: list[int]) -> bool:
+                                address: str, prior: list[int], deadline: float | None = None) -> bool:
         """Reserve blocks, have the prefill worker fill them, take the first token; False if the prefill
         worker failed (the reservation is dropped, and the caller prefills locally)."""
         engine = self.engine
@@ -145,7 +170,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             await engine.call(lambda e: e.abort(req_id))
             raise KVTransportError(str(error)) from None
         try:
-            return await self._pull(request, prompt, params, address, peer, transport)
+            return await self._pull(request, prompt, params, address, peer, transport, deadline)
         except grpc.aio.AioRpcError as error:
             details = error.details() or ""
             if transport == CUDA_IPC and error.code() == grpc.StatusCode.FAILED_PRECONDITION and "cuda-ipc" in details:
@@ -155,7 +180,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     peer.has_handle = False
                 else:
                     peer.failed_ipc = True
-                return await self._pull(request, prompt, params, address, peer, GRPC)
+                return await self._pull(request, prompt, params, address, peer, GRPC, deadline)
             # A peer that refuses our layout (the gateway pairs by fingerprint, so this is a misconfiguration):
             # nothing was written; serve the request anyway by prefilling locally.
             log.error("prefill at %s refused %s: %s; prefilling locally", address, req_id, details)
@@ -164,7 +189,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             return False
 
     async def _pull(self, request: Request, prompt: list[int], params: SamplingParams, address: str,
-                    peer: PeerState, transport: str) -> bool:
+                    peer: PeerState, transport: str, deadline: float | None = None) -> bool:
         engine = self.engine
         req_id = request.req_id
         layout = engine.engine.layout
@@ -178,7 +203,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         call = stub.Prefill(worker_pb2.PrefillRequest(
             request_id=req_id, prompt_token_ids=prompt, sampling=sampling_to_worker(params),
             layout=layout_to_proto(layout), target=target, output_token_ids=request.output_token_ids),
-            metadata=inject_metadata(trace.set_span_in_context(kv_span)))
+            metadata=inject_metadata(trace.set_span_in_context(kv_span)),
+            timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         start = time.perf_counter()
         num_bytes = 0
         # cuda-ipc: from the request until the first token, the peer may be writing into our blocks.
@@ -215,6 +241,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             raise ValueError("prefill stream ended without a first token")
         except (grpc.aio.AioRpcError, ValueError) as error:
             record_error(kv_span, error)  # whatever happens next (a fallback, or the error goes on)
+            if deadline is not None and time.monotonic() >= deadline:
+                # Our own deadline, not a broken peer: no time is left for a local prefill either.
+                await self._drop(req_id, address, peer_may_write)
+                peer_may_write = False
+                raise DeadlineExceededError(f"deadline exceeded before {req_id} was prefilled") from None
             if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise  # the caller decides (cuda-ipc fallback, or a real layout mismatch)
             if isinstance(error, grpc.aio.AioRpcError) and not is_unreachable(error):

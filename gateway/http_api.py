@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
+from tandem.gateway.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
 from tandem.gateway.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
@@ -91,10 +92,14 @@ class _Endpoint:
                 "top_logprobs": None, "text_offset": None}
 
 
-def create_app(router: Router) -> FastAPI:
-    """The app serving `router`'s model. Errors answer in OpenAI's body shape."""
+def create_app(router: Router, api_keys: ApiKeys | None = None) -> FastAPI:
+    """The app serving `router`'s model. Errors answer in OpenAI's body shape. With `api_keys` enabled,
+    `/v1/*` needs `Authorization: Bearer <key>` (or `x-api-key`); `/health` and `/metrics` stay open."""
     app = FastAPI(title="tandem", summary="OpenAI-compatible API of a tandem gateway")
     _add_error_handlers(app)
+    if api_keys is not None and api_keys.enabled:
+        app.add_middleware(_RequireApiKey, keys=api_keys)
+
     model = router.model
 
     @app.post("/v1/chat/completions")
@@ -297,6 +302,24 @@ async def _merged(router: Router, request_id: str, choices: list[_Choice],
             task.cancel()
         # Wait for the cancels to run: each closes its decode stream (freeing blocks) before we return.
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _RequireApiKey:
+    """Pure ASGI (not BaseHTTPMiddleware, which would sit between a stream and its disconnect): a `/v1/`
+    request without an accepted key gets 401 in OpenAI's error shape before it reaches the app."""
+
+    def __init__(self, app: Any, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]]
+            if not self.keys.check(headers):
+                body = error_body(UNAUTHENTICATED_MESSAGE, "invalid_request_error", None, "invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _EventStream(StreamingResponse):

@@ -6,7 +6,9 @@ import time
 from collections.abc import Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.gateway.auth import ApiKeyInterceptor, ApiKeys
 from tandem.gateway.http_api import HttpServer, create_app, start_http_server
 from tandem.gateway.servicer import GatewayModel, GenerationServicer, Router
 from tandem.shared.config import EngineConfig
@@ -19,7 +21,8 @@ from tandem.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 class InfoProbe:
-    """Asks a worker's `Info` for its layout and load (the static registry's refresh)."""
+    """Asks a worker's health and `Info` for its layout and load (the static registry's refresh); a worker
+    that is draining (health NOT_SERVING) counts as down, so no new request goes there."""
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -28,6 +31,10 @@ class InfoProbe:
         channel = self._channels.setdefault(address, make_channel(address))
         stub = worker_pb2_grpc.PrefillStub(channel) if role == "prefill" else worker_pb2_grpc.DecodeStub(channel)
         try:
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                     timeout=1.0)
+            if health.status != health_pb2.HealthCheckResponse.SERVING:
+                return None
             info = await stub.Info(worker_pb2.InfoRequest(), timeout=1.0)
         except grpc.aio.AioRpcError:
             return None
@@ -48,14 +55,17 @@ def load_gateway_model(name: str, max_model_len: int | None, max_num_batched_tok
 
 
 async def serve(service: ServiceOptions, model: str, prefill: Sequence[str], decode: Sequence[str],
-                max_model_len: int | None = None) -> None:
+                max_model_len: int | None = None, *, max_concurrent_requests: int = 1024,
+                api_keys: frozenset[str] = frozenset()) -> None:
     registry: Registry
     if service.redis_url:
         registry = RedisRegistry(service.redis_url)
     else:
         registry = StaticRegistry(prefill, decode, InfoProbe())
     await registry.start()
-    router = Router(load_gateway_model(model, max_model_len), registry)
+    router = Router(load_gateway_model(model, max_model_len), registry,
+                    max_concurrent_requests=max_concurrent_requests)
+    keys = ApiKeys(api_keys)
 
     http: HttpServer | None = None
 
@@ -66,7 +76,7 @@ async def serve(service: ServiceOptions, model: str, prefill: Sequence[str], dec
     async def start_http(host: str, port: int) -> int:
         # The OpenAI-compatible API (and /metrics) in this event loop, sharing the router with gRPC.
         nonlocal http
-        http = await start_http_server(create_app(router), host, port, grace_s=service.drain_s)
+        http = await start_http_server(create_app(router, keys), host, port, grace_s=service.drain_s)
         return http.port
 
     async def cleanup() -> None:
@@ -75,4 +85,5 @@ async def serve(service: ServiceOptions, model: str, prefill: Sequence[str], dec
         await router.close()
         await registry.stop()
 
-    await run_service(service, add, cleanup=cleanup, start_http=start_http)
+    await run_service(service, add, cleanup=cleanup, start_http=start_http,
+                      interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])

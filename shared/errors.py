@@ -24,6 +24,10 @@ class UnavailableError(TandemError):
     """No worker can serve the request now."""
 
 
+class DeadlineExceededError(TandemError):
+    """The request's deadline passed before it could be served."""
+
+
 class LayoutMismatchError(TandemError):
     """Two workers' KV layouts (dtype, shapes, model fingerprint) differ: pages cannot move between them."""
 

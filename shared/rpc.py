@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.shared.errors import (
+    DeadlineExceededError,
     InvalidRequestError,
     KVTransportError,
     LayoutMismatchError,
@@ -41,6 +42,7 @@ _STATUS_OF_ERROR: tuple[tuple[type[TandemError], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (KVTransportError, grpc.StatusCode.FAILED_PRECONDITION),
 )

@@ -11,7 +11,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -93,16 +93,19 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
                       record: Callable[[str], WorkerRecord] | None = None,
                       on_started: Callable[[str, int], None] | None = None,
                       cleanup: Callable[[], Awaitable[None]] | None = None,
-                      start_http: Callable[[str, int], Awaitable[int]] | None = None) -> None:
+                      start_http: Callable[[str, int], Awaitable[int]] | None = None,
+                      interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
     """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING at once, deregister, let calls in flight
     finish for up to `drain_s`, stop. `record(address)` describes this worker for the registry.
     `start_http(host, port)` starts the service's own HTTP server (which must serve `/metrics`) in place
-    of the metrics-only one and returns its bound port; `cleanup` stops it."""
+    of the metrics-only one and returns its bound port; `cleanup` stops it. `interceptors` (e.g. the
+    gateway's API keys) wrap every handler."""
     # Tracing (off unless OTEL_* asks for it) is set up first: the servicers' tracers are proxies that
     # record from then on. Replicas share a service.name; the instance id tells them apart.
     tracer_provider = setup_tracing(SERVICE_NAMES[options.role], instance_id=options.advertised(options.port))
     server, port, health = await start_server(f"{options.host}:{options.port}", add_servicers,
-                                              max_concurrent_streams=options.max_concurrent_streams)
+                                              max_concurrent_streams=options.max_concurrent_streams,
+                                              interceptors=interceptors)
     if start_http is not None:
         http_port = await start_http(options.host, options.http_port)
     else:
@@ -123,6 +126,8 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("%s draining (up to %.0f s)", options.role, options.drain_s)
+    # NOT_SERVING first: gateways probing health stop routing here even before Redis hears of it.
+    await health.enter_graceful_shutdown()
     if registry is not None:
         await registry.deregister()
         await registry.stop()

@@ -36,7 +36,7 @@ class DecodeGraphs:
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool: object | None = None  # the graphs' shared memory pool, from the first capture
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.buckets[-1]
@@ -58,7 +58,7 @@ class DecodeGraphs:
                 self.runner.forward_decode(inputs, num_splits)
             torch.cuda.synchronize(self.runner.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool):  # type: ignore[arg-type]
                 self.outputs[size] = self.runner.forward_decode(inputs, num_splits)
             if self.pool is None:
                 self.pool = graph.pool()

@@ -73,8 +73,8 @@ ThreadsOpt = Annotated[int, typer.Option(help="torch CPU threads (0: torch's def
 
 def _worker(role: str, model: str, host: str, port: int, http_port: int, advertise: str | None,
             redis: str | None, device: str, threads: int, num_kv_blocks: int | None, max_model_len: int | None,
-            max_num_seqs: int, drain_s: float, kv_transport: str = "auto", gpu_memory_fraction: float = 0.85
-            ) -> None:
+            max_num_seqs: int, drain_s: float, kv_transport: str = "auto", gpu_memory_fraction: float = 0.85,
+            max_queued: int = 1024) -> None:
     import asyncio
     import logging
 
@@ -96,7 +96,7 @@ def _worker(role: str, model: str, host: str, port: int, http_port: int, adverti
     else:
         from tandem.decode_svc.server import serve as serve_decode
 
-        asyncio.run(serve_decode(service, engine, kv_transport))
+        asyncio.run(serve_decode(service, engine, kv_transport, max_queued))
 
 
 @app.command()
@@ -118,12 +118,15 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
            max_model_len: int | None = None, max_num_seqs: int = 256, drain_s: float = 30.0,
            kv_transport: Annotated[str, typer.Option(help="auto | grpc | cuda-ipc (same GPU only).")] = "auto",
            gpu_memory_fraction: Annotated[float, typer.Option(help="Share of the GPU this worker may use.")] = 0.85,
+           max_queued: Annotated[int, typer.Option(
+               help="Requests accepted but not yet running (incl. waiting for blocks); past it RESOURCE_EXHAUSTED."
+           )] = 1024,
            ) -> None:
     """Run one decode worker."""
     if kv_transport not in ("auto", "grpc", "cuda-ipc"):
         raise typer.BadParameter("must be auto, grpc or cuda-ipc", param_hint="--kv-transport")
     _worker("decode", model, host, port, http_port, advertise, redis, device, threads, num_kv_blocks,
-            max_model_len, max_num_seqs, drain_s, kv_transport, gpu_memory_fraction)
+            max_model_len, max_num_seqs, drain_s, kv_transport, gpu_memory_fraction, max_queued)
 
 
 @app.command()
@@ -133,11 +136,17 @@ def gateway(
     prefill: Annotated[list[str] | None, typer.Option("--prefill", help="Static prefill address (repeat).")] = None,
     decode: Annotated[list[str] | None, typer.Option("--decode", help="Static decode address (repeat).")] = None,
     max_model_len: int | None = None, drain_s: float = 30.0,
+    max_concurrent_requests: Annotated[int, typer.Option(
+        help="Requests in flight (gRPC and HTTP together); past it RESOURCE_EXHAUSTED / 429.")] = 1024,
+    api_key: Annotated[list[str] | None, typer.Option(
+        "--api-key", help="Accepted API key (repeat, or comma-separated; also $TANDEM_API_KEYS). Default: no auth.",
+        show_default=False)] = None,
 ) -> None:
     """Run the gateway (the public gRPC API)."""
     import asyncio
     import logging
 
+    from tandem.gateway.auth import parse_api_keys
     from tandem.gateway.server import serve
     from tandem.shared.service import ServiceOptions
 
@@ -146,7 +155,12 @@ def gateway(
         raise typer.BadParameter("give --redis URL or at least one --decode address", param_hint="--decode")
     service = ServiceOptions(role="gateway", host=host, port=port, http_port=http_port, redis_url=redis,
                              drain_s=drain_s)
-    asyncio.run(serve(service, model, prefill or [], decode or [], max_model_len))
+    if max_concurrent_requests < 1:
+        raise typer.BadParameter("must be at least 1", param_hint="--max-concurrent-requests")
+    keys = parse_api_keys(api_key)
+    logging.getLogger(__name__).info("API keys: %s", f"{len(keys)} accepted" if keys else "off")
+    asyncio.run(serve(service, model, prefill or [], decode or [], max_model_len,
+                      max_concurrent_requests=max_concurrent_requests, api_keys=keys))
 
 
 @app.command()

@@ -131,6 +131,10 @@ class Stack:
         """Workers first, then the gateway, so its first look at the registry finds them up."""
         from tqdm import tqdm
 
+        # Fetch (and convert) a preset once here, with a progress bar, rather than in every process at once.
+        from tandem.shared.models import load_model_config
+
+        load_model_config(self.options.model)
         self._plan()
         gateway, workers = self.services[0], self.services[1:]
         with tqdm(total=len(self.services), desc="starting services", unit="svc", file=sys.stderr) as bar:
