@@ -10,7 +10,7 @@ import hmac
 import inspect
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -22,10 +22,10 @@ API_KEYS_ENV = "TANDEM_API_KEYS"
 _OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
-def parse_api_keys(flag_values: Sequence[str] | None, env: dict[str, str] | None = None) -> frozenset[str]:
+def parse_api_keys(flag_values: Sequence[str] | None, env: Mapping[str, str] | None = None) -> frozenset[str]:
     """Keys from `--api-key` (repeatable, each comma-separated) and `$TANDEM_API_KEYS`; empty: auth off."""
-    env = os.environ if env is None else env
-    raw = [*(flag_values or []), env.get(API_KEYS_ENV, "")]
+    environ: Mapping[str, str] = os.environ if env is None else env
+    raw = [*(flag_values or []), environ.get(API_KEYS_ENV, "")]
     return frozenset(key.strip() for value in raw for key in value.split(",") if key.strip())
 
 

@@ -175,7 +175,8 @@ class RedisRegistry:
     stops doing so and its key lapses. A reader (the gateway) calls `start`, which rescans the keys
     every `refresh_s` into an in-memory view (a scan, not pub/sub or keyspace events: those are lost on
     reconnect). While Redis is unreachable the last view is served and the heartbeat keeps trying, so a
-    restarted Redis is repopulated by the next heartbeats.
+    restarted Redis is repopulated by the next heartbeats; for one TTL after it answers again, workers
+    missing from the scan stay in the view (they have not had the chance to re-register yet).
     """
 
     def __init__(
@@ -203,6 +204,9 @@ class RedisRegistry:
         self._reader_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._is_reachable = True
+        # Until then (monotonic clock), records missing from a scan are kept: set when Redis comes back,
+        # because a restarted Redis is empty until every worker's next heartbeat.
+        self._keep_missing_until = 0.0
         self._unparsable_keys: set[str] = set()
 
     # -- reader side ---------------------------------------------------------------------------------
@@ -232,6 +236,8 @@ class RedisRegistry:
             return False
         self._note_reachable()
         view: dict[str, WorkerRecord] = {}
+        if time.monotonic() < self._keep_missing_until:
+            view.update(self._view)
         for key, value in zip(keys, values, strict=True):
             if value is None:  # lapsed between SCAN and MGET
                 continue
@@ -309,7 +315,9 @@ class RedisRegistry:
     def _note_reachable(self) -> None:
         if not self._is_reachable:
             self._is_reachable = True
-            log.info("Redis reachable again")
+            self._keep_missing_until = time.monotonic() + self._ttl_s
+            log.info("Redis reachable again: keeping the last view for %.1f s while workers re-register",
+                     self._ttl_s)
 
 
 def pick_pair(

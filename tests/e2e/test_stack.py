@@ -49,12 +49,13 @@ class RunningStack:
         raise AssertionError(f"{name} not exported by {role}")
 
 
-def start_stack(tmp_path: Path, *extra: str, model: str = "smollm2-135m") -> Iterator[RunningStack]:
+def start_stack(tmp_path: Path, *extra: str, model: str = "smollm2-135m", num_prefill: int = 1,
+                num_decode: int = 1) -> Iterator[RunningStack]:
     """`tandem up` as a process; yields once every service is healthy, SIGTERMs it afterwards."""
     status_file = tmp_path / "status.json"
     port = _free_port()
-    command = [sys.executable, "-m", "tandem.cli", "up", "--model", model, "--prefill", "1",
-               "--decode", "1", "--port", str(port), "--http-port", str(_free_port()),
+    command = [sys.executable, "-m", "tandem.cli", "up", "--model", model, "--prefill", str(num_prefill),
+               "--decode", str(num_decode), "--port", str(port), "--http-port", str(_free_port()),
                "--status-file", str(status_file), "--max-model-len", "1024", *extra]
     env = dict(os.environ, TANDEM_HOME=os.environ.get("TANDEM_HOME", str(Path.home() / ".cache" / "tandem")))
     log = (tmp_path / "up.log").open("wb")
