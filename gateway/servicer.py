@@ -206,8 +206,11 @@ class Router:
         """One decode call, continuing `progress`; raises `_RetryableError` when another worker may finish
         the request."""
         stub = worker_pb2_grpc.DecodeStub(self._channel(decode.address))
+        # Workers key requests by id: a suffix per attempt keeps two clients' equal ids (or a retry racing
+        # the old attempt's cleanup) apart, while logs and traces still show the client's id.
+        worker_request_id = f"{request_id}#{uuid.uuid4().hex[:8]}"
         call = stub.Generate(worker_pb2.DecodeRequest(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_worker(params),
+            request_id=worker_request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_worker(params),
             prefill_address=prefill.address if prefill is not None else "",
             output_token_ids=progress.token_ids), timeout=timeout,
             metadata=inject_metadata(trace.set_span_in_context(span)))
