@@ -238,7 +238,9 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                num_splits: int | None = None) -> torch.Tensor:
     """Same contract as the Triton version (num_splits is ignored), vectorised over the batch.
 
-    Gathers every sequence's pages padded to the longest context, then a masked softmax in fp32.
+    Gathers every sequence's pages padded to the longest context (`index_select`, ~3x faster on the CPU
+    than advanced indexing), then PyTorch's fused attention in fp32 with the padding masked: this is the
+    engine's decode attention on the CPU, so it is kept lean.
     """
     _check_shapes(q, k_cache, v_cache, block_tables, context_lens)
     num_seqs, num_q_heads, head_dim = q.shape
@@ -248,16 +250,17 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         return torch.zeros_like(q)
     num_blocks = -(-max_context // page_size)
     # Entries past a sequence's context may be garbage (e.g. -1); clamp them, the mask hides them.
-    pages = block_tables[:, :num_blocks].long().clamp_(min=0)  # [S, nb]
-    k = k_cache[pages].flatten(1, 2)[:, :max_context].float()  # [S, L, Hkv, D]
-    v = v_cache[pages].flatten(1, 2)[:, :max_context].float()
-    group = num_q_heads // num_kv_heads
-    q_grouped = q.float().reshape(num_seqs, num_kv_heads, group, head_dim)  # [S, Hkv, G, D]
-    scores = torch.einsum("shgd,slhd->shgl", q_grouped, k) * scale  # [S, Hkv, G, L]
-    is_past_end = torch.arange(max_context, device=q.device) >= context_lens[:, None]  # [S, L]
-    scores.masked_fill_(is_past_end[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # A ctx-0 row is all -inf, which softmax turns into NaN: zero it, as the kernel does.
-    probs.masked_fill_((context_lens == 0)[:, None, None, None], 0.0)
-    out = torch.einsum("shgl,slhd->shgd", probs, v)  # [S, Hkv, G, D]
-    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+    pages = block_tables[:, :num_blocks].long().clamp(min=0).flatten()  # [S * nb]
+    shape = (num_seqs, num_blocks * page_size, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, pages).view(shape)[:, :max_context].float()  # [S, L, Hkv, D]
+    v = v_cache.index_select(0, pages).view(shape)[:, :max_context].float()
+    is_valid = torch.arange(max_context, device=q.device) < context_lens[:, None]  # [S, L]
+    # A ctx-0 row (CUDA-graph padding) would be all masked, which softmax turns into NaN: let it see one
+    # position, and zero its output below, as the kernel does.
+    is_empty = context_lens == 0
+    is_valid[:, 0] |= is_empty
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),  # [S, H, 1, D], [S, Hkv, L, D]
+        attn_mask=is_valid[:, None, None, :], scale=scale, enable_gqa=True).squeeze(2)  # [S, Hq, D]
+    out.masked_fill_(is_empty[:, None, None], 0.0)
+    return out.to(q.dtype)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.kernels import Ops, get_ops, triton_available
+from tandem.kernels.cpu_linear import pack_linears
 from tandem.kernels.paged_decode_attention import choose_num_splits
 from tandem.shared.config import EngineConfig
 from tandem.shared.engine.attention import AttentionMetadata
@@ -50,6 +51,8 @@ class ModelRunner:
             self.model = LlamaForCausalLM(model_config, self.ops).to(self.dtype)
         load_weights(self.model, model_config)
         self.model.eval().requires_grad_(False)
+        if self.device.type == "cpu":
+            pack_linears(self.model)  # oneDNN with prepacked weights: ~4x MKL on decode-sized GEMMs
         self.max_model_len = config.max_model_len
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
