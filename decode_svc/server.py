@@ -30,7 +30,7 @@ async def serve(service: ServiceOptions, engine_options: EngineOptions, kv_trans
             metrics.BATCH_SIZE.observe(len(result.requests))
 
     engine.on_step = on_step
-    servicer = DecodeServicer(engine, engine_options.model, kv_transport, max_queued=max_queued)
+    servicer = DecodeServicer(engine, engine_options.model, kv_transport, max_queued=max_queued, tls=service.tls)
     worker_id = new_worker_id("decode")
 
     def add(server: grpc.aio.Server) -> list[str]:

@@ -22,7 +22,7 @@ from tandem.shared.engine.sampling_params import SamplingParams
 from tandem.shared.errors import DeadlineExceededError, KVTransportError, OverloadedError
 from tandem.shared.kv_ipc import CUDA_IPC, GRPC, ExportedPool, choose_transport, gpu_uuid
 from tandem.shared.kv_transfer import layout_to_proto, messages_to_pages
-from tandem.shared.rpc import make_channel
+from tandem.shared.rpc import TlsConfig, make_channel
 from tandem.shared.service import is_unreachable, worker_info
 from tandem.shared.telemetry import ending, get_tracer, inject_metadata, record_error
 from tandem.shared.wire import finish_reason_to_proto, sampling_from_worker, sampling_to_worker
@@ -51,7 +51,9 @@ _RESERVE_RETRY_S = 0.005
 
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     def __init__(self, engine: AsyncEngine, model_name: str, kv_transport: str = "auto",
-                 tracer: trace.Tracer | None = None, max_queued: int = 1024) -> None:
+                 tracer: trace.Tracer | None = None, max_queued: int = 1024, tls: TlsConfig | None = None) -> None:
+        # TLS (with this worker's certificate, for mutual TLS) on the calls to prefill workers.
+        self.tls = tls
         if max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {max_queued}")
         self.engine = engine
@@ -302,7 +304,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = make_channel(address)
+            self._channels[address] = make_channel(address, tls=self.tls)
         return self._channels[address]
 
     async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:

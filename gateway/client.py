@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import TextIO
 
 import grpc
 
@@ -10,7 +12,8 @@ from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 
 def stream_reply(address: str, prompt: str, *, max_tokens: int = 64, temperature: float = 0.0,
-                 seed: int | None = None, chat: bool = True, out=sys.stdout) -> generation_pb2.GenerateResponse:
+                 seed: int | None = None, chat: bool = True, out: TextIO = sys.stdout, api_key: str | None = None,
+                 tls_ca: str | None = None) -> generation_pb2.GenerateResponse:
     """Send one request, write the text as it streams, return the last message (usage, timing)."""
     sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
     if seed is not None:
@@ -21,8 +24,11 @@ def stream_reply(address: str, prompt: str, *, max_tokens: int = 64, temperature
     else:
         request.prompt = prompt
     last = generation_pb2.GenerateResponse()
-    with grpc.insecure_channel(address) as channel:
-        for response in generation_pb2_grpc.GenerationStub(channel).Generate(request):
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+    channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()))
+               if tls_ca else grpc.insecure_channel(address))
+    with channel:
+        for response in generation_pb2_grpc.GenerationStub(channel).Generate(request, metadata=metadata):
             out.write(response.text)
             out.flush()
             last = response

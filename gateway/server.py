@@ -15,7 +15,7 @@ from tandem.shared.config import EngineConfig
 from tandem.shared.kv_transfer import layout_from_proto
 from tandem.shared.models import load_model_config, load_tokenizer
 from tandem.shared.registry import RedisRegistry, Registry, StaticRegistry, WorkerRecord
-from tandem.shared.rpc import make_channel
+from tandem.shared.rpc import TlsConfig, make_channel
 from tandem.shared.service import ServiceOptions, run_service
 from tandem.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -24,11 +24,14 @@ class InfoProbe:
     """Asks a worker's health and `Info` for its layout and load (the static registry's refresh); a worker
     that is draining (health NOT_SERVING) counts as down, so no new request goes there."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsConfig | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tls = tls
 
     async def __call__(self, role: str, address: str) -> WorkerRecord | None:
-        channel = self._channels.setdefault(address, make_channel(address))
+        if address not in self._channels:
+            self._channels[address] = make_channel(address, tls=self._tls)
+        channel = self._channels[address]
         stub = worker_pb2_grpc.PrefillStub(channel) if role == "prefill" else worker_pb2_grpc.DecodeStub(channel)
         try:
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
@@ -61,10 +64,10 @@ async def serve(service: ServiceOptions, model: str, prefill: Sequence[str], dec
     if service.redis_url:
         registry = RedisRegistry(service.redis_url)
     else:
-        registry = StaticRegistry(prefill, decode, InfoProbe())
+        registry = StaticRegistry(prefill, decode, InfoProbe(service.tls))
     await registry.start()
     router = Router(load_gateway_model(model, max_model_len), registry,
-                    max_concurrent_requests=max_concurrent_requests)
+                    max_concurrent_requests=max_concurrent_requests, tls=service.tls)
     keys = ApiKeys(api_keys)
 
     http: HttpServer | None = None

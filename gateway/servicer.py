@@ -27,7 +27,7 @@ from tandem.shared.engine.sampling_params import SamplingParams
 from tandem.shared.errors import InvalidRequestError, OverloadedError, UnavailableError
 from tandem.shared.models import apply_chat_template
 from tandem.shared.registry import Registry, WorkerRecord, pick_pair
-from tandem.shared.rpc import make_channel
+from tandem.shared.rpc import TlsConfig, make_channel
 from tandem.shared.telemetry import ending, extract_context, get_tracer, inject_metadata
 from tandem.shared.wire import (
     finish_reason_from_proto,
@@ -73,7 +73,9 @@ class Router:
     """
 
     def __init__(self, model: GatewayModel, registry: Registry, tracer: trace.Tracer | None = None,
-                 max_concurrent_requests: int = 1024) -> None:
+                 max_concurrent_requests: int = 1024, tls: TlsConfig | None = None) -> None:
+        # TLS (with this gateway's certificate, for mutual TLS) on the calls to decode workers.
+        self.tls = tls
         if max_concurrent_requests < 1:
             raise ValueError(f"max_concurrent_requests must be >= 1, got {max_concurrent_requests}")
         self.model = model
@@ -276,7 +278,7 @@ class Router:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = make_channel(address)
+            self._channels[address] = make_channel(address, tls=self.tls)
         return self._channels[address]
 
     async def close(self) -> None:

@@ -10,12 +10,15 @@ import functools
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.shared.config import ConfigError
 from tandem.shared.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -160,8 +163,9 @@ async def start_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_concurrent_streams: int = 256,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    tls: TlsConfig | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Starts an insecure grpc.aio server with health checking and reflection.
+    """Starts a grpc.aio server (plaintext, or TLS when `tls` is given) with health checking and reflection.
 
     `add_servicers(server)` registers the service implementations and returns their full names (e.g.
     "tandem.v1.Decode"); each is marked SERVING in grpc.health.v1, as is the whole server (""), and
@@ -181,7 +185,7 @@ async def start_server(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflected = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(reflected, server)
-    port = server.add_insecure_port(bind)
+    port = server.add_secure_port(bind, tls.server_credentials()) if tls else server.add_insecure_port(bind)
     if port == 0:  # older grpcio reports a failed bind this way instead of raising
         raise OSError(f"cannot bind gRPC server to {bind!r}")
     await server.start()
@@ -198,17 +202,57 @@ async def stop_server(
     await server.stop(grace_s)
 
 
-def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    """An insecure channel to "host:port" with tandem's message-size limits and keepalive pings."""
-    return grpc.aio.insecure_channel(
-        address,
-        options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
-            ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
-            ("grpc.keepalive_permit_without_calls", 1),
-            # Keep pinging an idle connection: without this the client stops after two pings with no data.
-            ("grpc.http2.max_pings_without_data", 0),
-        ],
-    )
+def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 tls: TlsConfig | None = None) -> grpc.aio.Channel:
+    """A channel to "host:port" with tandem's message-size limits and keepalive pings; TLS (presenting
+    this service's certificate, for mutual TLS) when `tls` is given, plaintext otherwise."""
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Keep pinging an idle connection: without this the client stops after two pings with no data.
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    if tls is not None:
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
+    return grpc.aio.insecure_channel(address, options=options)
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS on a service's gRPC hops (off unless configured): its certificate and key, and the CA that signs
+    its peers. With a CA, servers require client certificates (mutual TLS between services) unless
+    `client_auth` is off (the gateway's public port), and clients verify servers against it."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str | None = None
+    client_auth: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("cert_file", "key_file", "ca_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"tls {name}: {path} is not a readable file")
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        ca = Path(self.ca_file).read_bytes() if self.ca_file else None
+        return grpc.ssl_server_credentials(
+            [(Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())],
+            root_certificates=ca, require_client_auth=bool(ca) and self.client_auth)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        ca = Path(self.ca_file).read_bytes() if self.ca_file else None
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=Path(self.key_file).read_bytes(),
+                                            certificate_chain=Path(self.cert_file).read_bytes())
+
+    @classmethod
+    def from_flags(cls, cert: str | None, key: str | None, ca: str | None, client_auth: bool = True
+                   ) -> TlsConfig | None:
+        if cert is None and key is None and ca is None:
+            return None
+        if cert is None or key is None:
+            raise ConfigError("tls: give both --tls-cert and --tls-key (and --tls-ca to verify peers)")
+        return cls(cert, key, ca, client_auth)

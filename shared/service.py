@@ -22,7 +22,7 @@ from tandem.shared.config import CacheConfig, ConfigError, EngineConfig, Schedul
 from tandem.shared.kv_ipc import gpu_uuid, transports_of
 from tandem.shared.kv_transfer import layout_to_proto
 from tandem.shared.registry import RedisRegistry, WorkerRecord
-from tandem.shared.rpc import AddServicers, start_server, stop_server
+from tandem.shared.rpc import AddServicers, TlsConfig, start_server, stop_server
 from tandem.shared.telemetry import SERVICE_NAMES, setup_tracing
 from tandem.v1 import worker_pb2
 
@@ -43,6 +43,8 @@ class ServiceOptions:
     redis_url: str | None = None
     drain_s: float = 30.0
     max_concurrent_streams: int = 256
+    # TLS on the gRPC port and on this service's calls to others; None: plaintext (the loopback default).
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("gateway", "prefill", "decode"):
@@ -103,7 +105,7 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
     # Tracing (off unless OTEL_* asks for it) is set up first: the servicers' tracers are proxies that
     # record from then on. Replicas share a service.name; the instance id tells them apart.
     tracer_provider = setup_tracing(SERVICE_NAMES[options.role], instance_id=options.advertised(options.port))
-    server, port, health = await start_server(f"{options.host}:{options.port}", add_servicers,
+    server, port, health = await start_server(f"{options.host}:{options.port}", add_servicers, tls=options.tls,
                                               max_concurrent_streams=options.max_concurrent_streams,
                                               interceptors=interceptors)
     if start_http is not None:

@@ -69,12 +69,23 @@ HttpPortOpt = Annotated[int, typer.Option(help="HTTP port of /metrics (0 picks a
 AdvertiseOpt = Annotated[str | None, typer.Option(help="host:port others reach this worker at.")]
 RedisOpt = Annotated[str | None, typer.Option(help="Redis URL of the registry (default: static addresses).")]
 ThreadsOpt = Annotated[int, typer.Option(help="torch CPU threads (0: torch's default).")]
+TlsCertOpt = Annotated[str | None, typer.Option(help="TLS certificate (PEM) of this service; off by default.")]
+TlsKeyOpt = Annotated[str | None, typer.Option(help="TLS private key (PEM) of this service.")]
+TlsCaOpt = Annotated[str | None, typer.Option(
+    help="CA (PEM) that signs the other services' certificates: with it, TLS is mutual between services.")]
+
+
+def _tls(cert: str | None, key: str | None, ca: str | None, client_auth: bool = True):  # noqa: ANN202
+    from tandem.shared.rpc import TlsConfig
+
+    return TlsConfig.from_flags(cert, key, ca, client_auth)
 
 
 def _worker(role: str, model: str, host: str, port: int, http_port: int, advertise: str | None,
             redis: str | None, device: str, threads: int, num_kv_blocks: int | None, max_model_len: int | None,
             max_num_seqs: int, drain_s: float, kv_transport: str = "auto", gpu_memory_fraction: float = 0.85,
-            max_queued: int = 1024) -> None:
+            max_queued: int = 1024, tls_cert: str | None = None, tls_key: str | None = None,
+            tls_ca: str | None = None) -> None:
     import asyncio
     import logging
 
@@ -86,7 +97,7 @@ def _worker(role: str, model: str, host: str, port: int, http_port: int, adverti
     if threads:
         torch.set_num_threads(threads)
     service = ServiceOptions(role=role, host=host, port=port, advertise=advertise, http_port=http_port,
-                             redis_url=redis, drain_s=drain_s)
+                             redis_url=redis, drain_s=drain_s, tls=_tls(tls_cert, tls_key, tls_ca))
     engine = EngineOptions(model=model, device=device, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                            max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction)
     if role == "prefill":
@@ -105,10 +116,12 @@ def prefill(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port:
             device: DeviceOpt = "cpu", threads: ThreadsOpt = 0, num_kv_blocks: int | None = None,
             max_model_len: int | None = None, max_num_seqs: int = 256, drain_s: float = 30.0,
             gpu_memory_fraction: Annotated[float, typer.Option(help="Share of the GPU this worker may use.")] = 0.85,
+            tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
             ) -> None:
     """Run one prefill worker."""
     _worker("prefill", model, host, port, http_port, advertise, redis, device, threads, num_kv_blocks,
-            max_model_len, max_num_seqs, drain_s, gpu_memory_fraction=gpu_memory_fraction)
+            max_model_len, max_num_seqs, drain_s, gpu_memory_fraction=gpu_memory_fraction,
+            tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
 
 
 @app.command()
@@ -121,12 +134,14 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
            max_queued: Annotated[int, typer.Option(
                help="Requests accepted but not yet running (incl. waiting for blocks); past it RESOURCE_EXHAUSTED."
            )] = 1024,
+           tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
            ) -> None:
     """Run one decode worker."""
     if kv_transport not in ("auto", "grpc", "cuda-ipc"):
         raise typer.BadParameter("must be auto, grpc or cuda-ipc", param_hint="--kv-transport")
     _worker("decode", model, host, port, http_port, advertise, redis, device, threads, num_kv_blocks,
-            max_model_len, max_num_seqs, drain_s, kv_transport, gpu_memory_fraction, max_queued)
+            max_model_len, max_num_seqs, drain_s, kv_transport, gpu_memory_fraction, max_queued,
+            tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
 
 
 @app.command()
@@ -141,6 +156,9 @@ def gateway(
     api_key: Annotated[list[str] | None, typer.Option(
         "--api-key", help="Accepted API key (repeat, or comma-separated; also $TANDEM_API_KEYS). Default: no auth.",
         show_default=False)] = None,
+    tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
+    tls_client_auth: Annotated[bool, typer.Option(
+        help="Require client certificates on the public port too (with --tls-ca).")] = False,
 ) -> None:
     """Run the gateway (the public gRPC API)."""
     import asyncio
@@ -154,7 +172,7 @@ def gateway(
     if not redis and not decode:
         raise typer.BadParameter("give --redis URL or at least one --decode address", param_hint="--decode")
     service = ServiceOptions(role="gateway", host=host, port=port, http_port=http_port, redis_url=redis,
-                             drain_s=drain_s)
+                             drain_s=drain_s, tls=_tls(tls_cert, tls_key, tls_ca, tls_client_auth))
     if max_concurrent_requests < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--max-concurrent-requests")
     keys = parse_api_keys(api_key)
@@ -169,22 +187,26 @@ def client(
     address: Annotated[str, typer.Option(help="Gateway gRPC address.")] = "127.0.0.1:50051",
     max_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
     raw: Annotated[bool, typer.Option(help="Send the prompt as plain text, without the chat template.")] = False,
+    api_key: Annotated[str | None, typer.Option(help="API key, sent as `authorization: Bearer`.")] = None,
+    tls_ca: Annotated[str | None, typer.Option(help="CA (PEM) to verify a TLS gateway with.")] = None,
 ) -> None:
     """Stream a reply from a running gateway."""
     from tandem.gateway.client import stream_reply
 
-    stream_reply(address, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, chat=not raw)
+    stream_reply(address, prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, chat=not raw,
+                 api_key=api_key, tls_ca=tls_ca)
 
 
 @app.command()
 def healthcheck(
     address: Annotated[str, typer.Argument(help="host:port of a tandem gRPC server.")] = "127.0.0.1:50051",
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the answer.")] = 2.0,
+    tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
 ) -> None:
     """Exit 0 if the server reports SERVING over grpc.health.v1, else 1 (container health checks)."""
     from tandem.launcher import is_serving
 
-    raise typer.Exit(0 if is_serving(address, timeout) else 1)
+    raise typer.Exit(0 if is_serving(address, timeout, _tls(tls_cert, tls_key, tls_ca)) else 1)
 
 
 @app.command()

@@ -21,6 +21,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.shared.rpc import TlsConfig
+
 
 @dataclass(frozen=True)
 class StackOptions:
@@ -64,8 +66,9 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def is_serving(address: str, timeout_s: float = 1.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def is_serving(address: str, timeout_s: float = 1.0, tls: TlsConfig | None = None) -> bool:
+    channel = grpc.secure_channel(address, tls.channel_credentials()) if tls else grpc.insecure_channel(address)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                               timeout=timeout_s)
