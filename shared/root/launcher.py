@@ -57,7 +57,8 @@ class Service:
 
     def as_json(self) -> dict[str, object]:
         assert self.process is not None
-        return {"role": self.role, "pid": self.process.pid, "grpc": self.grpc, "http": self.http}
+        return {"role": self.role, "pid": self.process.pid, "grpc": self.grpc, "http": self.http,
+                "log": str(self.log_path)}
 
 
 def free_port(host: str) -> int:
@@ -85,7 +86,10 @@ class Stack:
 
     def _plan(self) -> None:
         o = self.options
-        log_dir = o.log_dir or Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem")) / "logs"
+        # One folder per run: stacks started side by side (tests, several users) never share a log file.
+        run_name = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
+        log_dir = o.log_dir or home / "logs" / run_name
         log_dir.mkdir(parents=True, exist_ok=True)
         base = [sys.executable, "-m", "tandem.cli"]
         common = ["--model", o.model]

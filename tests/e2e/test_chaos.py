@@ -137,9 +137,9 @@ def busiest_decode(stack: RunningStack) -> int:
     return int(busiest["pid"])  # type: ignore[arg-type]
 
 
-def gateway_resumes() -> int:
+def gateway_resumes(stack: RunningStack) -> int:
     """How many times the gateway has moved a request to another decode worker (its log says so)."""
-    log = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem")) / "logs" / "gateway.log"
+    log = Path(str(next(s for s in stack.services if s["role"] == "gateway")["log"]))
     return log.read_text(errors="replace").count(": resuming on ") if log.exists() else 0
 
 
@@ -343,14 +343,14 @@ def test_sigkill_decode_mid_stream_resumes_token_exact(
         redis_stack: tuple[RunningStack, dict[int, list[int]], RedisServer]) -> None:
     stack, expected, _ = redis_stack
     killed: list[int] = []
-    resumes_before = gateway_resumes()
+    resumes_before = gateway_resumes(stack)
 
     def kill() -> None:
         killed.append(busiest_decode(stack))
         os.kill(killed[0], signal.SIGKILL)
 
     outcomes = run_with_fault(stack.address("gateway"), list(range(len(PROMPTS))), 10, kill)
-    num_resumed = gateway_resumes() - resumes_before
+    num_resumed = gateway_resumes(stack) - resumes_before
     assert num_resumed >= 1, "no stream was on the killed worker"
     assert not _alive(killed[0])
     outcomes += run_all(stack.address("gateway"), [0, 1])  # the dead worker's key may not have lapsed yet

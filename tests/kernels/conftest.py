@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-# Triton picks interpreter or compiler when a kernel is decorated, i.e. when tandem.kernels is first
-# imported, so the switch must be set before any test module imports it.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    _guard = sys.modules.get("tandem.kernels._triton")
-    if _guard is not None and not _guard.IS_INTERPRETING:
-        # Another test folder imported the kernels first, compiled-mode: import them afresh.
-        for _name in [m for m in sys.modules if m.startswith("tandem.kernels")]:
-            del sys.modules[_name]
-
-from tandem.kernels import triton_available  # noqa: E402  (after the switch above, on purpose)
+# Triton picks interpreter or compiler when a kernel is decorated (when tandem.kernels is first imported),
+# so on a CPU the Triton tests need TRITON_INTERPRET=1 in the environment from the start: `.ci/test` runs
+# this folder in its own pytest process with it. Setting it here instead would leak into every other test
+# of the session and into the services they start, which would then run SmolLM2 through the interpreter.
+from tandem.kernels import triton_available  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 # bf16 only on GPU: the interpreter runs bf16 through numpy emulation, slowly and not like hardware.
@@ -48,8 +39,8 @@ def tol(dtype: torch.dtype) -> dict[str, float]:
 def needs_triton(device: torch.device) -> None:
     """Skip (with the reason) where the Triton kernels cannot run on this device."""
     if not triton_available(device):
-        pytest.skip("triton kernels unavailable: no CUDA, and tandem.kernels was imported without "
-                    "TRITON_INTERPRET=1 (or triton is missing)")
+        pytest.skip("triton kernels unavailable: no CUDA, and not run under TRITON_INTERPRET=1 "
+                    "(`TRITON_INTERPRET=1 pytest tests/kernels`, as .ci/test does), or triton is missing")
 
 
 @pytest.fixture(autouse=True)
