@@ -229,6 +229,50 @@ def decode_latency(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows}
 
 
+# -- where a decode step's time goes -------------------------------------------------------------------------
+def profile(args: argparse.Namespace) -> dict[str, Any]:
+    """torch.profiler over decode steps: device time per kernel, and the host's share of the step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from tandem.shared.engine.engine import Engine
+
+    model = "dummy:tiny" if args.dry_run else args.model
+    batch = 2 if args.dry_run else int(args.batches.split(",")[0])
+    context = 32 if args.dry_run else args.context
+    num_steps = 3 if args.dry_run else 20
+    config = engine_config(model, args.device, max_model_len=context + num_steps + 64, max_num_seqs=max(batch, 8))
+    engine = Engine(config)
+    params = SamplingParams(max_tokens=num_steps + 16, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(random_prompts(batch, context, config.model.vocab_size)):
+        engine.add_request(f"p{i}", p, params)
+    while engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    sync(args.device)
+    start = time.perf_counter()
+    with torch_profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        sync(args.device)
+    wall_ms = (time.perf_counter() - start) / num_steps * 1e3
+    sort_key = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_key, row_limit=25)
+    (args.out / "profile.txt").parent.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile.txt").write_text(table)
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / num_steps
+    return {"model": model, "batch": batch, "context": context, "steps": num_steps,
+            "step_wall_ms_under_profiler": wall_ms, "device_busy_ms_per_step": device_us / 1e3,
+            "top": [{"name": e.key, "calls": e.count,
+                     "self_device_us_per_step": (getattr(e, "self_device_time_total", 0) or 0) / num_steps,
+                     "self_cpu_us_per_step": e.self_cpu_time_total / num_steps}
+                    for e in sorted(events, key=lambda e: -(getattr(e, "self_device_time_total", 0) or 0)
+                                    - e.self_cpu_time_total * (0 if args.device.startswith("cuda") else 1))[:25]]}
+
+
 # -- offline throughput ----------------------------------------------------------------------------------
 def offline(args: argparse.Namespace) -> dict[str, Any]:
     from tandem import LLM
@@ -312,7 +356,7 @@ def hf(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["correctness", "decode-latency", "offline", "hf"])
+    parser.add_argument("command", choices=["correctness", "decode-latency", "offline", "hf", "profile"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true", help="CPU, dummy:tiny, a few steps")
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
@@ -337,7 +381,8 @@ def main() -> None:
 
         # The Triton path on CPU needs the interpreter, chosen before triton is first imported.
         assert os.environ.get("TRITON_INTERPRET") == "1", "run the dry run with TRITON_INTERPRET=1"
-    command = {"correctness": correctness, "decode-latency": decode_latency, "offline": offline, "hf": hf}
+    command = {"correctness": correctness, "decode-latency": decode_latency, "offline": offline, "hf": hf,
+               "profile": profile}
     result = command[args.command](args)
     report = {"benchmark": args.command, "environment": environment(), "dry_run": args.dry_run,
               "args": {k: v for k, v in vars(args).items() if k != "out"} | {"out": str(args.out)},
