@@ -26,10 +26,6 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
-
-
 @torch.no_grad()
 def pack_linears(model: nn.Module) -> int:
     """Route every float32 CPU `nn.Linear` of `model` through oneDNN; returns how many were packed."""

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -163,8 +164,6 @@ class AsyncEngine:
             self.on_prefill_layer(requests, layer)
 
     def _run(self) -> None:
-        import time
-
         while not self._stopping:
             self._wake.clear()
             while True:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tandem.launcher import free_port
+
 
 def find_redis_server() -> str | None:
     """Path of a redis-server binary, or None."""
@@ -35,20 +37,13 @@ def find_redis_server() -> str | None:
     return str(candidate) if os.access(str(candidate), os.X_OK) else None
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class RedisServer:
     """One redis-server process on 127.0.0.1:`port`, data in memory only."""
 
     def __init__(self, binary: str, workdir: Path, port: int | None = None) -> None:
         self.binary = binary
         self.workdir = workdir
-        self.port = port or free_port()
+        self.port = port or free_port("127.0.0.1")
         self._process: subprocess.Popen[bytes] | None = None
 
     @property

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.launcher import free_port
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 from tests.redis_server import RedisServer
 
@@ -53,9 +54,9 @@ def start_stack(tmp_path: Path, *extra: str, model: str = "smollm2-135m", num_pr
                 num_decode: int = 1) -> Iterator[RunningStack]:
     """`tandem up` as a process; yields once every service is healthy, SIGTERMs it afterwards."""
     status_file = tmp_path / "status.json"
-    port = _free_port()
+    port = free_port("127.0.0.1")
     command = [sys.executable, "-m", "tandem.cli", "up", "--model", model, "--prefill", str(num_prefill),
-               "--decode", str(num_decode), "--port", str(port), "--http-port", str(_free_port()),
+               "--decode", str(num_decode), "--port", str(port), "--http-port", str(free_port("127.0.0.1")),
                "--status-file", str(status_file), "--max-model-len", "1024", *extra]
     env = dict(os.environ, TANDEM_HOME=os.environ.get("TANDEM_HOME", str(Path.home() / ".cache" / "tandem")))
     log = (tmp_path / "up.log").open("wb")
@@ -74,14 +75,6 @@ def start_stack(tmp_path: Path, *extra: str, model: str = "smollm2-135m", num_pr
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def chat_request(prompt: str) -> generation_pb2.GenerateRequest:
