@@ -19,6 +19,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 NUM_REQUESTS, MAX_TOKENS = 2, 8
 
+# (service, span) pairs each request's trace must hold once every process has exported.
+TRACED_SPANS = {("tandem-gateway", "generate"), ("tandem-gateway", "stream"), ("tandem-decode", "decode.generate"),
+                ("tandem-decode", "kv.transfer"), ("tandem-prefill", "prefill")}
+
 # Each metric of the issue, on the services that must export it.
 EXPORTED = {
     "gateway": ["tandem_time_to_first_token_seconds", "tandem_time_per_output_token_seconds",
@@ -94,10 +98,12 @@ async def test_metrics_move_and_one_trace_spans_the_processes(tmp_path: Path, sm
                 assert after[role]["tandem_kv_blocks_free"] == after[role]["tandem_kv_blocks_total"]
 
             def traced(spans: list[ReceivedSpan]) -> bool:
+                # Every span asserted below, in every request's trace: each process exports on its own
+                # schedule, so one service's first spans may arrive before its last ones.
                 roots = {s.trace_id for s in spans if s.name == "generate"}
                 return len(roots) == NUM_REQUESTS and all(
-                    {"tandem-gateway", "tandem-decode", "tandem-prefill"}
-                    <= {s.service for s in spans if s.trace_id == trace_id} for trace_id in roots)
+                    TRACED_SPANS <= {(s.service, s.name) for s in spans if s.trace_id == trace_id}
+                    for trace_id in roots)
 
             spans = await receiver.wait_for(traced)
     finally:
