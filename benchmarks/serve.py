@@ -15,6 +15,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,16 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99), "mean": statistics.fmean(ordered)}
 
 
+def workload(num_requests: int, prompt_dist: LengthDist, output_dist: LengthDist,
+             seed: int) -> Iterator[tuple[list[int], int]]:
+    """(prompt token ids, output length) of each request, the same for a given seed (so other benchmarks
+    can run the very workload the stack got)."""
+    rng = random.Random(seed)
+    for _ in range(num_requests):
+        prompt_len, output_len = prompt_dist.sample(rng), output_dist.sample(rng)
+        yield [rng.randrange(_MIN_TOKEN, _MAX_TOKEN) for _ in range(prompt_len)], output_len
+
+
 async def _one(stub: generation_pb2_grpc.GenerationStub, record: RequestRecord, prompt: list[int],
                timeout: float) -> None:
     request = generation_pb2.GenerateRequest(
@@ -119,9 +130,8 @@ async def run_rate(address: str, rate: float, num_requests: int, prompt_dist: Le
     stubs = [generation_pb2_grpc.GenerationStub(c) for c in channels]
     records, tasks = [], []
     start = time.perf_counter()
-    for i in range(num_requests):
-        record = RequestRecord(prompt_dist.sample(rng), output_dist.sample(rng))
-        prompt = [rng.randrange(_MIN_TOKEN, _MAX_TOKEN) for _ in range(record.prompt_len)]
+    for i, (prompt, output_len) in enumerate(workload(num_requests, prompt_dist, output_dist, seed)):
+        record = RequestRecord(len(prompt), output_len)
         records.append(record)
         tasks.append(asyncio.create_task(_one(stubs[i % num_channels], record, prompt, timeout)))
         if math.isfinite(rate):

@@ -42,4 +42,5 @@ async def serve(service: ServiceOptions, engine_options: EngineOptions, kv_trans
         engine.close()
 
     await run_service(service, add, lambda address: worker_record(engine, "decode", engine_options.model,
-                                                                   worker_id, address), cleanup=cleanup)
+                                                                   worker_id, address), cleanup=cleanup,
+                      on_drain=servicer.drain)

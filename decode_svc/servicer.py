@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -19,10 +19,10 @@ from tandem.shared.async_engine import AsyncEngine, EngineFailure, TokenEvent
 from tandem.shared.engine.engine import Engine
 from tandem.shared.engine.request import Request
 from tandem.shared.engine.sampling_params import SamplingParams
-from tandem.shared.errors import DeadlineExceededError, KVTransportError, OverloadedError
+from tandem.shared.errors import DeadlineExceededError, KVTransportError, OverloadedError, TandemError
 from tandem.shared.kv_ipc import CUDA_IPC, GRPC, ExportedPool, choose_transport, gpu_uuid
 from tandem.shared.kv_transfer import layout_to_proto, messages_to_pages
-from tandem.shared.rpc import TlsConfig, make_channel
+from tandem.shared.rpc import TlsConfig, make_channel, status_of
 from tandem.shared.service import is_unreachable, worker_info
 from tandem.shared.telemetry import ending, get_tracer, inject_metadata, record_error
 from tandem.shared.wire import finish_reason_to_proto, sampling_from_worker, sampling_to_worker
@@ -39,6 +39,22 @@ class PeerState:
     kv_transports: list[str] = field(default_factory=lambda: [GRPC])
     has_handle: bool = False  # it has opened our pool
     failed_ipc: bool = False  # it could not open it: use grpc from now on
+
+@dataclass(eq=False)  # hashed by identity: the servicer keeps a set of its sessions
+class _Session:
+    """One gateway's session: its requests in flight, and the updates not yet sent."""
+
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    updates: list[worker_pb2.SessionUpdate] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # something to send, or to re-check
+
+    def send(self, update: worker_pb2.SessionUpdate) -> None:
+        self.updates.append(update)
+        self.ready.set()
+
+    def fail(self, req_id: str, code: grpc.StatusCode, message: str) -> None:
+        self.send(worker_pb2.SessionUpdate(request_id=req_id, error_code=code.value[0], error_message=message))
+
 
 def _deadline(time_remaining: float | None) -> float | None:
     """The call's deadline on `time.monotonic()`'s clock (None: the caller set none)."""
@@ -71,24 +87,109 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         self._pool: ExportedPool | None = None
         # Requests whose blocks a prefill worker may still be writing (cuda-ipc, cancelled mid-transfer).
         self.quarantined: set[str] = set()
+        self._sessions: set[_Session] = set()
+        self.draining = False
 
     async def Generate(self, request: worker_pb2.DecodeRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeResponse]:
-        """`_generate` inside the request's `decode.generate` span (continuing the gateway's trace), with
-        the latency metrics of the request as decode sees it."""
+        """One request per call (the session's requests take the same path)."""
+        # gRPC Python does not pass deadlines on: the Prefill call gets what is left of ours.
+        responses = self._serve(request, _deadline(context.time_remaining()), context.invocation_metadata())
+        async with contextlib.aclosing(responses):
+            async for response in responses:
+                yield response
+
+    async def Session(self, requests: AsyncIterator[worker_pb2.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.SessionResponse]:
+        """Many requests over one stream: each start runs as its own task (the same path as `Generate`);
+        the new tokens of all of them go out together, as many as have come since the last message."""
+        session = _Session()
+        self._sessions.add(session)
+        reader = asyncio.create_task(self._read_session(requests, session))
+        try:
+            while True:
+                await session.ready.wait()
+                session.ready.clear()
+                if session.updates:
+                    updates, session.updates = session.updates, []
+                    yield worker_pb2.SessionResponse(updates=updates)
+                if not session.tasks and (self.draining or reader.done()):
+                    return  # draining (or the gateway closed its side) and nothing left in flight
+        finally:
+            # The gateway went away (or the worker is stopping): every request of the session ends here,
+            # each freeing its blocks as a cancelled Generate call would.
+            reader.cancel()
+            for task in list(session.tasks.values()):
+                task.cancel()
+            self._sessions.discard(session)
+
+    async def _read_session(self, requests: AsyncIterator[worker_pb2.SessionRequest], session: _Session) -> None:
+        try:
+            async for message in requests:
+                if message.WhichOneof("kind") == "start":
+                    self._start_in_session(session, message.start)
+                elif message.WhichOneof("kind") == "cancel":
+                    task = session.tasks.get(message.cancel.request_id)
+                    if task is not None:
+                        task.cancel()
+        finally:
+            session.ready.set()
+
+    def _start_in_session(self, session: _Session, start: worker_pb2.SessionStart) -> None:
+        req_id = start.request.request_id
+        if self.draining:
+            session.fail(req_id, grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
+        elif req_id in session.tasks:
+            session.fail(req_id, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"request_id: {req_id!r} is already in flight in this session")
+        else:
+            session.tasks[req_id] = asyncio.create_task(self._run_in_session(session, start))
+
+    async def _run_in_session(self, session: _Session, start: worker_pb2.SessionStart) -> None:
+        req_id = start.request.request_id
+        timeout = start.timeout_s if start.timeout_s > 0 else None
+        try:
+            async with asyncio.timeout(timeout):
+                responses = self._serve(start.request, _deadline(timeout), start.trace_context.items())
+                async with contextlib.aclosing(responses):
+                    async for response in responses:
+                        session.send(worker_pb2.SessionUpdate(request_id=req_id, response=response))
+        except TimeoutError:
+            session.fail(req_id, grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded for {req_id}")
+        except TandemError as error:
+            session.fail(req_id, status_of(error), str(error))
+        except grpc.aio.AioRpcError as error:  # a prefill worker's error that ends the request
+            session.fail(req_id, error.code(), error.details() or "")
+        except Exception as error:  # a bug: this request ends with INTERNAL, the session's others go on
+            log.exception("decode request %s failed", req_id)
+            session.fail(req_id, grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+        finally:
+            session.tasks.pop(req_id, None)
+            session.ready.set()
+
+    def drain(self) -> None:
+        """Refuse new requests in sessions (UNAVAILABLE: the gateway goes elsewhere) and end each session
+        once its requests are done, so that the server's drain is not held up by idle sessions."""
+        self.draining = True
+        for session in self._sessions:
+            session.ready.set()
+
+    async def _serve(self, request: worker_pb2.DecodeRequest, deadline: float | None,
+                     trace_carrier: Iterable[tuple[str, str | bytes]] | None,
+                     ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        """`_generate` inside the request's `decode.generate` span (continuing the caller's trace), with
+        backpressure and the latency metrics of the request as decode sees it."""
         arrival = time.perf_counter()
         req_id = request.request_id
         if self.num_queued >= self.max_queued:
             metrics.REQUESTS.labels(status="resource_exhausted").inc()
             raise OverloadedError(f"decode worker has {self.num_queued} requests waiting (limit {self.max_queued})")
-        span = self.traces.start(req_id, len(request.prompt_token_ids), context.invocation_metadata())
+        span = self.traces.start(req_id, len(request.prompt_token_ids), trace_carrier)
         time_to_first_token_s, num_tokens = 0.0, 0
         self.num_queued += 1
         is_queued = True
         try:
             with ending(span):
-                # gRPC Python does not pass deadlines on: the Prefill call gets what is left of ours.
-                deadline = _deadline(context.time_remaining())
                 async with contextlib.aclosing(self._generate(request, deadline)) as responses:
                     async for response in responses:
                         if is_queued:

@@ -20,11 +20,12 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
+from tandem.gateway.sessions import DecodeSession, SessionEnded
 from tandem.shared import metrics
 from tandem.shared.config import ModelConfig
 from tandem.shared.detokenizer import IncrementalDetokenizer
 from tandem.shared.engine.sampling_params import SamplingParams
-from tandem.shared.errors import InvalidRequestError, OverloadedError, UnavailableError
+from tandem.shared.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, UnavailableError
 from tandem.shared.models import apply_chat_template
 from tandem.shared.registry import Registry, WorkerRecord, pick_pair
 from tandem.shared.rpc import TlsConfig, make_channel
@@ -36,7 +37,7 @@ from tandem.shared.wire import (
     sampling_to_worker,
     with_resolved_seed,
 )
-from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class Router:
         # The process-wide tracer unless one is given (tests host several services in one process).
         self.tracer = tracer or get_tracer("gateway")
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._sessions: dict[str, DecodeSession] = {}
 
     def prompt_ids(self, prompt: str | None = None, token_ids: list[int] | None = None,
                    messages: list[dict[str, str]] | None = None) -> list[int]:
@@ -186,7 +188,7 @@ class Router:
                                                   "tandem.resumed_tokens": len(progress.token_ids)})
                         log.warning("%s: resuming on %s after %d tokens (%s)", request_id, decode.address,
                                     len(progress.token_ids), last_error)
-                    remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
+                    remaining = None if deadline is None else max(1e-3, deadline - time.perf_counter())
                     try:
                         async for chunk in self._attempt(decode, prefill, request_id, prompt_ids, params,
                                                          remaining, span, detok, progress, arrival):
@@ -207,17 +209,25 @@ class Router:
                        ) -> AsyncGenerator[tuple[list[int], str, Completion], None]:
         """One decode call, continuing `progress`; raises `_RetryableError` when another worker may finish
         the request."""
-        stub = worker_pb2_grpc.DecodeStub(self._channel(decode.address))
+        session = self._session(decode.address)
         # Workers key requests by id: a suffix per attempt keeps two clients' equal ids (or a retry racing
         # the old attempt's cleanup) apart, while logs and traces still show the client's id.
         worker_request_id = f"{request_id}#{uuid.uuid4().hex[:8]}"
-        call = stub.Generate(worker_pb2.DecodeRequest(
+        updates = session.start(worker_pb2.DecodeRequest(
             request_id=worker_request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_worker(params),
             prefill_address=prefill.address if prefill is not None else "",
-            output_token_ids=progress.token_ids), timeout=timeout,
-            metadata=inject_metadata(trace.set_span_in_context(span)))
+            output_token_ids=progress.token_ids), timeout, dict(inject_metadata(trace.set_span_in_context(span)) or ()))
+        ended = False
         try:
-            async for response in call:
+            while True:
+                update = await updates.get()
+                if isinstance(update, SessionEnded):
+                    ended = True
+                    raise _attempt_error(update.code, update.details)
+                if update.error_code:
+                    ended = True
+                    raise _attempt_error(grpc.StatusCode(_CODES[update.error_code]), update.error_message)
+                response = update.response
                 if not progress.token_ids:
                     progress.time_to_first_token_s = time.perf_counter() - arrival
                 new_ids = list(response.token_ids)
@@ -231,6 +241,7 @@ class Router:
                 elif response.finish_reason:
                     progress.finish_reason = finish_reason_from_proto(response.finish_reason)
                     text += detok.finish()
+                    ended = True
                 progress.token_ids += new_ids
                 progress.logprobs += new_logprobs
                 progress.text += text
@@ -240,19 +251,16 @@ class Router:
                     yield new_ids, text, progress
                     return
                 yield new_ids, text, progress
-            raise _RetryableError(UnavailableError(f"decode worker {decode.address} ended the stream early"))
-        except grpc.aio.AioRpcError as error:
-            code = error.code()
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise _RetryableError(OverloadedError(error.details() or "")) from None
-            if code in _RETRYABLE:
-                raise _RetryableError(UnavailableError(f"decode worker {decode.address}: {error.details()}")
-                                      ) from None
-            metrics.REQUESTS.labels(status=code.name.lower()).inc()
-            raise _passthrough(error) from None
         finally:
             # A stop string, a client cancel or an error: decode frees the request's blocks at once.
-            call.cancel()
+            session.finish(worker_request_id, cancel=not ended)
+
+    def _session(self, address: str) -> DecodeSession:
+        """The session to a decode worker, opened on first use and again after it ended."""
+        session = self._sessions.get(address)
+        if session is None or session.closed:
+            session = self._sessions[address] = DecodeSession(self._channel(address), address)
+        return session
 
     async def _route(self, parent: Context, exclude: set[str] | frozenset[str] = frozenset(),
                      ) -> tuple[WorkerRecord | None, WorkerRecord]:
@@ -282,6 +290,8 @@ class Router:
         return self._channels[address]
 
     async def close(self) -> None:
+        for session in self._sessions.values():
+            await session.close()
         for channel in self._channels.values():
             await channel.close()
 
@@ -307,15 +317,24 @@ class _PassthroughError(Exception):
         self.details = details
 
 
-def _passthrough(error: grpc.aio.AioRpcError) -> Exception:
-    if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-        details = error.details() or ""
+# grpc.StatusCode by its number, as session updates carry it.
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _attempt_error(code: grpc.StatusCode, details: str) -> Exception:
+    """What a decode worker's error means for the request: another worker may finish it (`_RetryableError`),
+    or it goes to the client as is."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return _RetryableError(OverloadedError(details))
+    if code in _RETRYABLE:
+        return _RetryableError(UnavailableError(details))
+    metrics.REQUESTS.labels(status=code.name.lower()).inc()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
         field, _, message = details.partition(": ")
         return InvalidRequestError(field, message)
-    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        # A typed error, so the HTTP API can answer 429 too; gRPC maps it back to RESOURCE_EXHAUSTED.
-        return OverloadedError(error.details() or "")
-    return _PassthroughError(error.code(), error.details() or "")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError(details)
+    return _PassthroughError(code, details)
 
 
 def _observe(progress: Completion) -> None:

@@ -32,6 +32,7 @@ async def serve(service: ServiceOptions, engine_options: EngineOptions) -> None:
 
     async def cleanup() -> None:
         engine.close()
+        servicer.exporter.close()
 
     await run_service(service, add, lambda address: worker_record(engine, "prefill", engine_options.model,
                                                                    worker_id, address), cleanup=cleanup)

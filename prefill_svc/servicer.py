@@ -3,6 +3,7 @@ first token. Thin: convert the request, hand it to the engine, convert what come
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -20,7 +21,7 @@ from tandem.shared.engine.engine import Engine, StepResult
 from tandem.shared.engine.request import Request
 from tandem.shared.errors import KVTransportError
 from tandem.shared.kv_ipc import copy_layer, open_pool
-from tandem.shared.kv_transfer import check_layout, layout_from_proto, pages_to_messages
+from tandem.shared.kv_transfer import PageExporter, check_layout, layout_from_proto
 from tandem.shared.service import worker_info
 from tandem.shared.telemetry import ending, get_tracer
 from tandem.shared.wire import sampling_from_worker
@@ -64,11 +65,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         # cuda-ipc: peers' pools opened once (pool id → tensor), and each request's target.
         self._pools: dict[str, torch.Tensor] = {}
         self._targets: dict[str, IpcTarget] = {}
+        # grpc: pages come down to the host and become messages off the engine thread.
+        self.exporter = PageExporter(engine.engine.runner.kv_cache.tensor)
 
     def _export_layer(self, requests: list[Request], layer: int) -> None:
         """Engine thread, right after `layer` stored its K/V: hand each request's pages on, so shipping
-        layer L overlaps computing layer L+1 (grpc: copied to the host as bytes; cuda-ipc: copied on the
-        GPU straight into the receiver's pool)."""
+        layer L overlaps computing layer L+1 (grpc: copied to the host on a side stream and made into
+        messages on the exporter's thread; cuda-ipc: copied on the GPU straight into the receiver's pool)."""
         cache = self.engine.engine.runner.kv_cache.tensor
         for request in requests:
             target = self._targets.get(request.req_id)
@@ -78,9 +81,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 copy_layer(cache, target.src_blocks, target.pool, target.dst_blocks, layer)
                 self.engine.post_event(request.req_id, LayersDoneEvent(layer + 1))
                 continue
-            k, v = self.engine.engine.read_pages(request, layer)
-            messages = list(pages_to_messages(layer, k.cpu(), v.cpu()))
-            self.engine.post_event(request.req_id, PagesEvent(layer, messages))
+            self.exporter.submit(layer, list(request.block_ids),
+                                 lambda messages, req_id=request.req_id, layer=layer:
+                                 self.engine.post_event(req_id, PagesEvent(layer, messages)))
 
     def _on_step(self, result: StepResult, seconds: float) -> None:
         """Engine thread, after each step that computed something."""
@@ -128,6 +131,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 if isinstance(event, EngineFailure):
                     raise event
                 assert isinstance(event, TokenEvent)
+                if not request.HasField("target"):
+                    # The first token can come before the last pages are made: those go first.
+                    await asyncio.wrap_future(self.exporter.flush())
+                    late = [events.get_nowait() for _ in range(events.qsize())]
+                    for message in (m for pages in late if isinstance(pages, PagesEvent) for m in pages.messages):
+                        num_bytes += len(message.k) + len(message.v)
+                        yield worker_pb2.PrefillResponse(pages=message)
                 self.traces.first_token(req_id, event, num_bytes, "cuda-ipc" if request.HasField("target") else "grpc")
                 yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
                     token_id=event.token_ids[-1], logprob=event.logprobs[-1],

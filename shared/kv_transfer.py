@@ -6,14 +6,18 @@ so that each message stays well under the channel's message-size limit.
 
 from __future__ import annotations
 
+import logging
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from tandem.shared.engine.kv_cache import KVLayout
 from tandem.shared.errors import LayoutMismatchError
 from tandem.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
 
 # Each KVPages message carries at most this many bytes of K plus V.
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
@@ -70,3 +74,60 @@ def messages_to_pages(message: worker_pb2.KVPages, layout: KVLayout) -> tuple[to
     k = torch.frombuffer(bytearray(message.k), dtype=torch.uint8).view(dtype).view(shape)
     v = torch.frombuffer(bytearray(message.v), dtype=torch.uint8).view(dtype).view(shape)
     return k, v
+
+
+class PageExporter:
+    """One layer's pages of a request → `KVPages` messages, without holding up the engine thread.
+
+    On a GPU the gather and the device→host copy (into pinned memory) are queued on a side stream behind
+    an event of the compute stream, so the engine goes on launching the next layer while this one's pages
+    come down; bytes and CRC32s are then made on one worker thread, in submission order, once the copy
+    has landed. On a CPU the pages are gathered at once and the rest is done on the worker thread.
+    `cache` is the pool, [layers, 2, blocks, block_size, kv_heads, head_dim].
+    """
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        self.cache = cache
+        self.stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-export")
+
+    def submit(self, layer: int, block_ids: list[int],
+               deliver: Callable[[list[worker_pb2.KVPages]], None]) -> None:
+        """Engine thread, once `layer` has stored its K/V (queued on the current stream): `deliver(messages)`
+        runs on the worker thread when they are ready."""
+        index = torch.tensor(block_ids, dtype=torch.int64)
+        done: torch.cuda.Event | None = None
+        if self.stream is None:
+            k, v = self.cache[layer, 0, index], self.cache[layer, 1, index]
+        else:
+            computed = torch.cuda.Event()
+            computed.record()
+            shape = (len(block_ids), *self.cache.shape[3:])
+            k = torch.empty(shape, dtype=self.cache.dtype, pin_memory=True)
+            v = torch.empty(shape, dtype=self.cache.dtype, pin_memory=True)
+            index = index.pin_memory()
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(computed)
+                on_device = index.to(self.cache.device, non_blocking=True)
+                k.copy_(self.cache[layer, 0].index_select(0, on_device), non_blocking=True)
+                v.copy_(self.cache[layer, 1].index_select(0, on_device), non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+        self._worker.submit(self._deliver, layer, k, v, done, deliver)
+
+    def flush(self) -> Future[None]:
+        """Done once everything submitted before has been delivered."""
+        return self._worker.submit(lambda: None)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    @staticmethod
+    def _deliver(layer: int, k: torch.Tensor, v: torch.Tensor, done: torch.cuda.Event | None,
+                 deliver: Callable[[list[worker_pb2.KVPages]], None]) -> None:
+        try:
+            if done is not None:
+                done.synchronize()
+            deliver(list(pages_to_messages(layer, k, v)))
+        except Exception:  # the request's stream then ends without these pages: the receiver sees a short transfer
+            log.exception("exporting KV pages of layer %d failed", layer)

@@ -96,12 +96,14 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
                       on_started: Callable[[str, int], None] | None = None,
                       cleanup: Callable[[], Awaitable[None]] | None = None,
                       start_http: Callable[[str, int], Awaitable[int]] | None = None,
-                      interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+                      interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                      on_drain: Callable[[], None] | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING at once, deregister, let calls in flight
     finish for up to `drain_s`, stop. `record(address)` describes this worker for the registry.
     `start_http(host, port)` starts the service's own HTTP server (which must serve `/metrics`) in place
     of the metrics-only one and returns its bound port; `cleanup` stops it. `interceptors` (e.g. the
-    gateway's API keys) wrap every handler."""
+    gateway's API keys) wrap every handler. `on_drain` runs as the drain begins (a decode worker ends its
+    long-lived sessions as their requests finish)."""
     # Tracing (off unless OTEL_* asks for it) is set up first: the servicers' tracers are proxies that
     # record from then on. Replicas share a service.name; the instance id tells them apart.
     tracer_provider = setup_tracing(SERVICE_NAMES[options.role], instance_id=options.advertised(options.port))
@@ -130,6 +132,8 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
     log.info("%s draining (up to %.0f s)", options.role, options.drain_s)
     # NOT_SERVING first: gateways probing health stop routing here even before Redis hears of it.
     await health.enter_graceful_shutdown()
+    if on_drain is not None:
+        on_drain()
     if registry is not None:
         await registry.deregister()
         await registry.stop()

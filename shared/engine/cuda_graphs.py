@@ -66,16 +66,18 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.runner.device)
 
     def run(self, inputs: DecodeInputs) -> torch.Tensor:
+        """Replay the smallest graph that fits, with `inputs` (pinned host tensors, copied asynchronously
+        straight into the static buffers; device tensors work too)."""
         num_seqs = inputs.input_ids.shape[0]
         size = next(b for b in self.buckets if b >= num_seqs)
         s = self.static
-        s.input_ids[:num_seqs].copy_(inputs.input_ids)
-        s.positions[:num_seqs].copy_(inputs.positions)
-        s.slot_mapping[:num_seqs].copy_(inputs.slot_mapping)
+        s.input_ids[:num_seqs].copy_(inputs.input_ids, non_blocking=True)
+        s.positions[:num_seqs].copy_(inputs.positions, non_blocking=True)
+        s.slot_mapping[:num_seqs].copy_(inputs.slot_mapping, non_blocking=True)
         s.slot_mapping[num_seqs:size].fill_(-1)
-        s.context_lens[:num_seqs].copy_(inputs.context_lens)
+        s.context_lens[:num_seqs].copy_(inputs.context_lens, non_blocking=True)
         s.context_lens[num_seqs:size].zero_()
         width = inputs.block_tables.shape[1]
-        s.block_tables[:num_seqs, :width].copy_(inputs.block_tables)
+        s.block_tables[:num_seqs, :width].copy_(inputs.block_tables, non_blocking=True)
         self.graphs[size].replay()
         return self.outputs[size][:num_seqs]

@@ -7,7 +7,7 @@ token per sequence for decode), runs the forward, and samples one token per requ
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -33,6 +33,10 @@ class DecodeInputs:
     slot_mapping: torch.Tensor  # [S] int64
     block_tables: torch.Tensor  # [S, max_blocks] int32
     context_lens: torch.Tensor  # [S] int32
+
+    def to(self, device: torch.device) -> DecodeInputs:
+        """On `device`; asynchronous copies from pinned host tensors."""
+        return DecodeInputs(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
 
 
 def select_ops(config: EngineConfig) -> Ops:
@@ -110,10 +114,12 @@ class ModelRunner:
     def decode_logits(self, requests: list[Request]) -> torch.Tensor:
         inputs = self.prepare_decode(requests)
         if self.graphs is not None and self.graphs.can_run(len(requests)):
-            return self.graphs.run(inputs)
-        return self.forward_decode(inputs, self.num_splits_for(len(requests)))
+            return self.graphs.run(inputs)  # copied from the host straight into the graph's static buffers
+        return self.forward_decode(inputs.to(self.device), self.num_splits_for(len(requests)))
 
     def prepare_decode(self, requests: list[Request]) -> DecodeInputs:
+        """The step's inputs as host tensors (pinned when the model is on a GPU, so that their copies to
+        the device are asynchronous)."""
         input_ids, positions, slots, context_lens = [], [], [], []
         max_blocks = max(len(r.block_ids) for r in requests)
         block_tables = []
@@ -125,11 +131,11 @@ class ModelRunner:
             context_lens.append(request.num_tokens)
             block_tables.append(request.block_ids + [0] * (max_blocks - len(request.block_ids)))
         return DecodeInputs(
-            input_ids=self._to_device(input_ids, torch.int64),
-            positions=self._to_device(positions, torch.int64),
-            slot_mapping=self._to_device(slots, torch.int64),
-            block_tables=self._to_device(block_tables, torch.int32),
-            context_lens=self._to_device(context_lens, torch.int32),
+            input_ids=self._host(input_ids, torch.int64),
+            positions=self._host(positions, torch.int64),
+            slot_mapping=self._host(slots, torch.int64),
+            block_tables=self._host(block_tables, torch.int32),
+            context_lens=self._host(context_lens, torch.int32),
         )
 
     def forward_decode(self, inputs: DecodeInputs, num_splits: int) -> torch.Tensor:
@@ -150,8 +156,9 @@ class ModelRunner:
         bs = self.block_size
         return [request.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+    def _host(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         tensor = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+        return tensor.pin_memory() if self.device.type == "cuda" else tensor
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return self._host(values, dtype).to(self.device, non_blocking=True)

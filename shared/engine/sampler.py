@@ -60,14 +60,17 @@ class SamplingTensors:
     top_ps: torch.Tensor  # [S] float32
     seeds: torch.Tensor  # [S] int64
     positions: torch.Tensor  # [S] int64: index of the output token being drawn
-    all_greedy: bool
     any_top_k: bool
     any_top_p: bool
 
     @classmethod
-    def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingTensors:
+    def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingTensors | None:
+        """The step's parameters on the device; None when every request is greedy (the common serving
+        case), which needs none of them: no host→device copies at all."""
         params = [r.params for r in requests]
         temperatures = [p.temperature for p in params]
+        if all(t == 0.0 for t in temperatures):
+            return None
         top_ks = [p.top_k for p in params]
         top_ps = [p.top_p for p in params]
         return cls(
@@ -78,22 +81,22 @@ class SamplingTensors:
                 device, non_blocking=True),
             positions=torch.tensor([r.num_output_tokens for r in requests], dtype=torch.int64).to(
                 device, non_blocking=True),
-            all_greedy=all(t == 0.0 for t in temperatures),
             any_top_k=any(k > 0 for k in top_ks),
             any_top_p=any(p < 1.0 for p in top_ps),
         )
 
 
-def sample(logits: torch.Tensor, tensors: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [S, V] float32 → (token ids [S] int64, logprobs [S] float32).
+def sample(logits: torch.Tensor, tensors: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [S, V] float32 → (token ids [S] int64, logprobs [S] float32); `tensors` None: all greedy.
 
     The logprob is the chosen token's under the model's raw distribution (before temperature and
-    truncation), as vLLM reports by default.
+    truncation), as vLLM reports by default: its logit less the row's logsumexp, which reads the logits
+    once and writes no [S, V] log-softmax.
     """
-    logprobs = torch.log_softmax(logits, dim=-1)
-    greedy_ids = logits.argmax(dim=-1)
-    if tensors.all_greedy:
-        return greedy_ids, logprobs.gather(1, greedy_ids[:, None]).squeeze(1)
+    best, greedy_ids = logits.max(dim=-1)  # the first maximum on ties, as argmax
+    log_normalizer = torch.logsumexp(logits, dim=-1)
+    if tensors is None:
+        return greedy_ids, best - log_normalizer
     is_greedy = tensors.temperatures == 0.0
     temperatures = torch.where(is_greedy, 1.0, tensors.temperatures)
     scaled = logits / temperatures[:, None]
@@ -104,7 +107,7 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors) -> tuple[torch.Tensor
     # Exponential race: p / E with E = -log(U) ~ Exp(1); excluded tokens have p = 0 and never win.
     sampled_ids = (probs / -torch.log(noise)).argmax(dim=-1)
     token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
-    return token_ids, logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    return token_ids, logits.gather(1, token_ids[:, None]).squeeze(1) - log_normalizer
 
 
 def _truncate(scaled: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:

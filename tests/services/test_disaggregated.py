@@ -35,6 +35,7 @@ class Worker:
     engine: AsyncEngine
     address: str
     server: grpc.aio.Server
+    servicer: PrefillServicer | DecodeServicer
 
 
 async def start_worker(role: str, config: EngineConfig) -> Worker:
@@ -52,7 +53,7 @@ async def start_worker(role: str, config: EngineConfig) -> Worker:
         return [f"tandem.v1.{role.capitalize()}"]
 
     server, port, _ = await start_server("127.0.0.1:0", register)
-    return Worker(engine, f"127.0.0.1:{port}", server)
+    return Worker(engine, f"127.0.0.1:{port}", server, servicer)
 
 
 @pytest.fixture

@@ -1,0 +1,174 @@
+"""The multiplexed gateway–decode stream (`Decode.Session`), against a real decode worker pulling pages
+from a real prefill worker over loopback: tokens in order per request, one end per request, several
+requests per message, and one request's cancel or deadline leaving the others alone."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from tandem.decode_svc.servicer import DecodeServicer
+from tandem.gateway.sessions import DecodeSession, SessionEnded, Update
+from tandem.shared.rpc import make_channel
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tests.factories import prompts_for
+from tests.services.test_disaggregated import (  # noqa: F401  (fixtures)
+    Worker,
+    decode_request,
+    model_folder,
+    reference_tokens,
+    workers,
+)
+
+
+async def collect(updates: asyncio.Queue[Update]) -> tuple[list[int], list[Update]]:
+    """A request's tokens and its updates, until its last one (a finish, an error, or the session's end)."""
+    tokens: list[int] = []
+    seen: list[Update] = []
+    while True:
+        update = await updates.get()
+        seen.append(update)
+        if isinstance(update, SessionEnded) or update.error_code:
+            return tokens, seen
+        tokens += update.response.token_ids
+        if update.response.finish_reason:
+            return tokens, seen
+
+
+async def wait_all_blocks_free(worker: Worker) -> None:
+    engine = worker.engine.engine
+    for _ in range(200):
+        if engine.num_free_blocks == engine.num_total_blocks:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.num_free_blocks == engine.num_total_blocks
+    engine.block_pool.check_integrity()
+
+
+async def test_each_request_gets_its_tokens_in_order_and_one_end(workers: tuple[Worker, Worker],
+                                                                 model_folder: Path) -> None:
+    prefill, decode = workers
+    prompts = prompts_for(512, [3, 17, 29, 8, 40, 11])
+    lengths = [12, 5, 9, 12, 3, 7]  # different lengths: requests end while others go on
+    channel = make_channel(decode.address)
+    session = DecodeSession(channel, decode.address)
+    queues = [session.start(decode_request(f"s{i}", p, prefill.address, max_tokens=n), None)
+              for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    results = await asyncio.gather(*(collect(q) for q in queues))
+    for i, (tokens, seen) in enumerate(results):
+        assert tokens == reference_tokens(model_folder, [prompts[i]], max_tokens=lengths[i])[0]
+        # Exactly one end, and it is the last update; nothing failed.
+        assert [bool(u.response.finish_reason) for u in seen] == [False] * (len(seen) - 1) + [True]
+        assert all(not isinstance(u, SessionEnded) and u.error_code == 0 for u in seen)
+        session.finish(f"s{i}", cancel=False)
+    assert not session.closed  # the session outlives its requests, for the next ones
+    tokens, _ = await collect(session.start(decode_request("later", prompts[0], prefill.address), None))
+    assert tokens == results[0][0]
+    await session.close()
+    await channel.close()
+    await wait_all_blocks_free(decode)
+
+
+async def test_one_message_carries_many_requests_tokens(workers: tuple[Worker, Worker]) -> None:
+    """The point of the session: a step's tokens of all requests travel together."""
+    prefill, decode = workers
+    num_requests, max_tokens = 8, 16
+    starts = [worker_pb2.SessionRequest(start=worker_pb2.SessionStart(
+        request=decode_request(f"m{i}", p, prefill.address, max_tokens=max_tokens)))
+        for i, p in enumerate(prompts_for(512, [5 + 3 * i for i in range(num_requests)]))]
+    done = asyncio.Event()
+
+    async def outgoing() -> AsyncIterator[worker_pb2.SessionRequest]:
+        for start in starts:
+            yield start
+        await done.wait()  # half-closing now would end the session as soon as it is idle
+
+    channel = make_channel(decode.address)
+    call = worker_pb2_grpc.DecodeStub(channel).Session(outgoing())
+    num_messages, tokens, ended = 0, dict.fromkeys(range(num_requests), 0), set()
+    async for response in call:
+        num_messages += 1
+        for update in response.updates:
+            index = int(update.request_id[1:])
+            tokens[index] += len(update.response.token_ids)
+            if update.response.finish_reason:
+                ended.add(index)
+        if len(ended) == num_requests:
+            break
+    done.set()
+    call.cancel()
+    await channel.close()
+    assert tokens == dict.fromkeys(range(num_requests), max_tokens)
+    # One message per token per request would be num_requests * max_tokens messages.
+    assert num_messages <= num_requests * max_tokens // 2, num_messages
+
+
+async def test_cancelling_one_request_leaves_the_others_alone(workers: tuple[Worker, Worker],
+                                                              model_folder: Path) -> None:
+    prefill, decode = workers
+    prompts = prompts_for(512, [9, 14, 21])
+    channel = make_channel(decode.address)
+    session = DecodeSession(channel, decode.address)
+    queues = [session.start(decode_request(f"k{i}", p, prefill.address, max_tokens=40), None)
+              for i, p in enumerate(prompts)]
+    first = await queues[1].get()
+    assert not isinstance(first, SessionEnded) and first.response.token_ids
+    session.finish("k1", cancel=True)
+    results = await asyncio.gather(collect(queues[0]), collect(queues[2]))
+    expected = reference_tokens(model_folder, [prompts[0], prompts[2]], max_tokens=40)
+    assert [tokens for tokens, _ in results] == expected
+    await wait_all_blocks_free(decode)  # the cancelled request's blocks too
+    assert not session.closed
+    await session.close()
+    await channel.close()
+
+
+async def test_a_request_deadline_ends_only_that_request(workers: tuple[Worker, Worker],
+                                                         model_folder: Path) -> None:
+    prefill, decode = workers
+    prompts = prompts_for(512, [12, 6])
+    channel = make_channel(decode.address)
+    session = DecodeSession(channel, decode.address)
+    # A deadline that passes at once: the worker ends the request with DEADLINE_EXCEEDED.
+    doomed = session.start(decode_request("d0", prompts[0], prefill.address, max_tokens=100), 1e-6)
+    fine = session.start(decode_request("d1", prompts[1], prefill.address), None)
+    _, seen = await collect(doomed)
+    last = seen[-1]
+    assert not isinstance(last, SessionEnded)
+    assert _status(last.error_code) == grpc.StatusCode.DEADLINE_EXCEEDED
+    tokens, _ = await collect(fine)
+    assert tokens == reference_tokens(model_folder, [prompts[1]])[0]
+    await session.close()
+    await channel.close()
+    await wait_all_blocks_free(decode)
+
+
+async def test_drain_refuses_new_requests_and_ends_the_idle_session(workers: tuple[Worker, Worker],
+                                                                    model_folder: Path) -> None:
+    prefill, decode = workers
+    prompt = prompts_for(512, [10])[0]
+    channel = make_channel(decode.address)
+    session = DecodeSession(channel, decode.address)
+    running = session.start(decode_request("r", prompt, prefill.address, max_tokens=30), None)
+    await running.get()  # under way
+    assert isinstance(decode.servicer, DecodeServicer)
+    decode.servicer.drain()
+    _, refused = await collect(session.start(decode_request("new", prompt, prefill.address), None))
+    assert not isinstance(refused[-1], SessionEnded)
+    assert _status(refused[-1].error_code) == grpc.StatusCode.UNAVAILABLE
+    tokens, seen = await collect(running)  # the request in flight finishes
+    assert seen[-1].response.finish_reason  # type: ignore[union-attr]
+    for _ in range(200):  # then the worker ends the session
+        if session.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert session.closed
+    await session.close()
+    await channel.close()
+
+
+def _status(number: int) -> grpc.StatusCode:
+    return next(code for code in grpc.StatusCode if code.value[0] == number)

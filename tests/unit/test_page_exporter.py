@@ -1,0 +1,36 @@
+"""`PageExporter`: a layer's pages become the same messages as a direct read, delivered in submission
+order off the calling thread, and `flush` waits for all of them (on a GPU: through the side stream)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tandem.shared.kv_transfer import PageExporter, pages_to_messages
+from tandem.v1 import worker_pb2
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pages_arrive_in_order_and_equal_a_direct_read(device: str) -> None:
+    torch.manual_seed(0)
+    # [layers, K/V, blocks, block_size, kv_heads, head_dim]; bf16, as served on a GPU.
+    cache = torch.randn(3, 2, 20, 4, 3, 8, device=device).to(torch.bfloat16)
+    exporter = PageExporter(cache)
+    delivered: list[tuple[int, list[worker_pb2.KVPages], str]] = []
+    block_ids = [7, 2, 19, 3]  # out of order, as a pool hands them out
+    for layer in range(3):
+        exporter.submit(layer, block_ids, lambda messages, layer=layer: delivered.append(
+            (layer, messages, threading.current_thread().name)))
+    exporter.flush().result(timeout=30)
+    exporter.close()
+    assert [layer for layer, _, _ in delivered] == [0, 1, 2]
+    assert all(name.startswith("kv-export") for _, _, name in delivered)
+    index = torch.tensor(block_ids, device=device)
+    for layer, messages, _ in delivered:
+        expected = list(pages_to_messages(layer, cache[layer, 0, index].cpu(), cache[layer, 1, index].cpu()))
+        assert messages == expected
