@@ -129,19 +129,36 @@ class AsyncEngine:
     def publish(self, request: Request, batch_size: int = 0, step_s: float = 0.0) -> None:
         """Engine thread: send the request's tokens not yet sent (and its end, if it ended), with the
         size and time of the step that made them."""
+        event = self._event_for(request, batch_size, step_s)
+        if event is not None:
+            event[0].put(event[1])
+
+    def _event_for(self, request: Request, batch_size: int, step_s: float) -> tuple[_Stream, TokenEvent] | None:
         stream = self._streams.get(request.req_id)
         if stream is None:
-            return
+            return None
         new_ids = request.output_token_ids[stream.num_sent:]
         if not new_ids and request.finish_reason is None:
-            return
+            return None
         queue_s = None
         if stream.num_sent == 0 and request.first_scheduled_time is not None:
             queue_s = request.first_scheduled_time - request.arrival_time
         logprobs = request.output_logprobs[stream.num_sent:]
         stream.num_sent = request.num_output_tokens
-        stream.put(TokenEvent(new_ids, logprobs, request.finish_reason, request.num_local_prefill_tokens,
-                              batch_size, step_s, queue_s))
+        return stream, TokenEvent(new_ids, logprobs, request.finish_reason, request.num_local_prefill_tokens,
+                                  batch_size, step_s, queue_s)
+
+    def _publish_step(self, result: StepResult, seconds: float) -> None:
+        """Engine thread: every request's new tokens of a step, handed to the event loop in one wake-up
+        (one `call_soon_threadsafe` per loop, not one per request: each is a write to the loop's pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], TokenEvent]]] = {}
+        for request in result.requests:
+            event = self._event_for(request, len(result.requests), seconds)
+            if event is not None:
+                stream, token_event = event
+                by_loop.setdefault(stream.loop, []).append((stream.events, token_event))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def post_event(self, req_id: str, event: Any) -> None:
         """Engine thread: hand any event to the request's stream (used by the prefill page hook)."""
@@ -187,8 +204,7 @@ class AsyncEngine:
             # (a prefill stream ends, and forgets its request, as soon as it has the first token).
             if self.on_step is not None:
                 self.on_step(result, seconds)
-            for request in result.requests:
-                self.publish(request, len(result.requests), seconds)
+            self._publish_step(result, seconds)
 
 
     def _fail_all(self, error: Exception) -> None:
@@ -198,6 +214,11 @@ class AsyncEngine:
             self.engine.abort(req_id)
         for req_id in list(self.engine.requests):
             self.engine.abort(req_id)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue[Any], TokenEvent]]) -> None:
+    for events, event in batch:
+        events.put_nowait(event)
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:
