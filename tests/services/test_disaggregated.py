@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from tandem.shared.models import load_model_config
 from tandem.shared.rpc import make_channel, start_server
 from tandem.shared.wire import sampling_to_worker
 from tandem.v1 import worker_pb2, worker_pb2_grpc
-from tests.factories import prompts_for, save_random_hf_model
+from tests.factories import prompts_for
 
 
 def engine_config(folder: Path, block_size: int = 4) -> EngineConfig:
@@ -54,22 +53,6 @@ async def start_worker(role: str, config: EngineConfig) -> Worker:
 
     server, port, _ = await start_server("127.0.0.1:0", register)
     return Worker(engine, f"127.0.0.1:{port}", server, servicer)
-
-
-@pytest.fixture
-def model_folder(tmp_path: Path) -> Path:
-    save_random_hf_model(tmp_path)
-    return tmp_path
-
-
-@pytest.fixture
-async def workers(model_folder: Path) -> AsyncIterator[tuple[Worker, Worker]]:
-    prefill = await start_worker("prefill", engine_config(model_folder))
-    decode = await start_worker("decode", engine_config(model_folder))
-    yield prefill, decode
-    for worker in (prefill, decode):
-        await worker.server.stop(0)
-        worker.engine.close()
 
 
 def decode_request(req_id: str, prompt: list[int], prefill_address: str, max_tokens: int = 12

@@ -15,13 +15,7 @@ from tandem.gateway.sessions import DecodeSession, SessionEnded, Update
 from tandem.shared.rpc import make_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tests.factories import prompts_for
-from tests.services.test_disaggregated import (  # noqa: F401  (fixtures)
-    Worker,
-    decode_request,
-    model_folder,
-    reference_tokens,
-    workers,
-)
+from tests.services.test_disaggregated import Worker, decode_request, reference_tokens
 
 
 async def collect(updates: asyncio.Queue[Update]) -> tuple[list[int], list[Update]]:
