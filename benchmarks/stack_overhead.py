@@ -6,8 +6,10 @@
 The engine runs the requests through `LLM.generate` (one process, no transport); the stack is started
 with `tandem up` (1 prefill, 1 decode, the gateway) and gets the same requests as one burst through the
 public gRPC API (`tandem bench serve`'s client). Both ignore EOS, so both generate exactly the same
-tokens. Reported: output tokens/s of each and the stack's share of the engine's (the issue's target on a
-GPU: >= 90%). `--repeat` interleaves runs and reports medians (timing on a shared machine is noisy).
+tokens. Reported: output tokens/s of each, the stack's share of the engine's (the issue's target on a
+GPU: >= 90%), and each service's CPU time per output token (event-loop thread and process), which tells
+how fast an engine each could keep up with. `--repeat` interleaves runs and reports medians (timing on a
+shared machine is noisy).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import time
@@ -41,12 +44,36 @@ def run_engine(llm: LLM, requests: list[tuple[list[int], int]]) -> dict[str, flo
     return {"seconds": seconds, "output_tokens": num_tokens, "output_tok_per_s": num_tokens / seconds}
 
 
-def run_stack(address: str, args: argparse.Namespace) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU time of a process and of its main thread, whose event loop does the service's per-token work
+    (Linux /proc; empty elsewhere)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def read(path: str) -> float:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+
+    try:
+        return {"process": read(f"/proc/{pid}/stat"), "event_loop": read(f"/proc/{pid}/task/{pid}/stat")}
+    except OSError:
+        return {}
+
+
+def run_stack(stack: Stack, address: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One burst through the stack; with each service's CPU microseconds per output token (its event-loop
+    thread, and the whole process), which say which service would fall behind a faster engine first."""
+    pids = {s.role: s.process.pid for s in stack.services if s.process is not None}
+    before = {role: cpu_seconds(pid) for role, pid in pids.items()}
     result = asyncio.run(run_rate(address, float("inf"), args.num_requests, LengthDist.parse(args.prompt_len),
                                   LengthDist.parse(args.output_len), args.seed, timeout=args.timeout))
+    after = {role: cpu_seconds(pid) for role, pid in pids.items()}
     result.pop("records")
     if result["errors"]:
         raise RuntimeError(f"the stack failed requests: {result['errors']}")
+    num_tokens = result["output_tok_per_s"] * result["duration_s"]
+    result["cpu_us_per_output_token"] = {
+        role: {part: (after[role][part] - before[role][part]) / num_tokens * 1e6 for part in after[role]}
+        for role in pids}
     return result
 
 
@@ -80,10 +107,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
         run_engine(llm, requests[:8])  # warm-up (graphs, allocator, oneDNN packing)
-        run_stack(f"127.0.0.1:{port}", argparse.Namespace(**{**vars(args), "num_requests": 8}))
+        run_stack(stack, f"127.0.0.1:{port}", argparse.Namespace(**{**vars(args), "num_requests": 8}))
         for i in range(args.repeat):
             engine_runs.append(run_engine(llm, requests))
-            stack_runs.append(run_stack(f"127.0.0.1:{port}", args))
+            stack_runs.append(run_stack(stack, f"127.0.0.1:{port}", args))
             print(f"run {i + 1}/{args.repeat}: engine {engine_runs[-1]['output_tok_per_s']:,.0f} tok/s, "
                   f"stack {stack_runs[-1]['output_tok_per_s']:,.0f} tok/s", flush=True)
     finally:
@@ -106,6 +133,11 @@ def main() -> None:
     print(f"{'':<8}{'output tok/s':>14}")
     print(f"{'engine':<8}{engine_tps:>14,.0f}")
     print(f"{'stack':<8}{stack_tps:>14,.0f}   {stack_tps / engine_tps:.0%} of the engine")
+    cpu = stack_runs[-1]["cpu_us_per_output_token"]
+    if any(cpu.values()):
+        print("CPU µs per output token (last run): " + ", ".join(
+            f"{role} {parts['event_loop']:.0f} event loop / {parts['process']:.0f} process"
+            for role, parts in cpu.items() if parts))
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ class Router:
         ended = False
         try:
             while True:
-                update = await updates.get()
+                update = await updates.next()  # all the tokens that have come, in one message to the client
                 if isinstance(update, SessionEnded):
                     ended = True
                     raise _attempt_error(update.code, update.details)

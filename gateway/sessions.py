@@ -33,6 +33,42 @@ class SessionEnded:
 Update = worker_pb2.SessionUpdate | SessionEnded
 
 
+class RequestUpdates:
+    """One request's updates in its session. `next()` merges the token updates already waiting into one, so
+    a gateway that falls behind the engine sends each client fewer, larger messages instead of falling
+    further behind (a streamed gRPC message costs the gateway ~0.1 ms of CPU whatever it carries)."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        self._held: Update | None = None  # an end taken from the queue while merging, for the next call
+
+    async def next(self) -> Update:
+        update = self._held if self._held is not None else await self.queue.get()
+        self._held = None
+        if _is_last(update):
+            return update
+        assert isinstance(update, worker_pb2.SessionUpdate)
+        merged: worker_pb2.SessionUpdate | None = None
+        while not self.queue.empty():
+            following = self.queue.get_nowait()
+            if isinstance(following, SessionEnded) or following.error_code:
+                self._held = following
+                break
+            if merged is None:
+                merged = worker_pb2.SessionUpdate()
+                merged.CopyFrom(update)  # keeps the first update's first-token fields
+            merged.response.token_ids.extend(following.response.token_ids)
+            merged.response.logprobs.extend(following.response.logprobs)
+            merged.response.finish_reason = following.response.finish_reason
+            if following.response.finish_reason:
+                break
+        return merged if merged is not None else update
+
+
+def _is_last(update: Update) -> bool:
+    return isinstance(update, SessionEnded) or bool(update.error_code) or bool(update.response.finish_reason)
+
+
 class DecodeSession:
     """One `Decode.Session` call. Create inside the running event loop; `closed` once its stream ended (a
     new request then needs a new session)."""
@@ -41,17 +77,17 @@ class DecodeSession:
         self.address = address
         self.closed = False
         self._outbox: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
-        self._requests: dict[str, asyncio.Queue[Update]] = {}
+        self._requests: dict[str, RequestUpdates] = {}
         self._call = worker_pb2_grpc.DecodeStub(channel).Session(self._outgoing())
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     def start(self, request: worker_pb2.DecodeRequest, timeout_s: float | None,
-              trace_context: Mapping[str, str] | None = None) -> asyncio.Queue[Update]:
-        """Start `request` in the session; its updates (and a `SessionEnded` if the stream ends first)
-        arrive on the returned queue. Call `finish` when done with it."""
+              trace_context: Mapping[str, str] | None = None) -> RequestUpdates:
+        """Start `request` in the session; its updates (and a `SessionEnded` if the stream ends first) come
+        from the returned `RequestUpdates`. Call `finish` when done with it."""
         if self.closed:
             raise RuntimeError(f"the session to {self.address} has ended")
-        updates: asyncio.Queue[Update] = asyncio.Queue()
+        updates = RequestUpdates()
         self._requests[request.request_id] = updates
         self._outbox.put_nowait(worker_pb2.SessionRequest(start=worker_pb2.SessionStart(
             request=request, timeout_s=timeout_s or 0.0, trace_context=dict(trace_context or {}))))
@@ -80,7 +116,7 @@ class DecodeSession:
                 for update in response.updates:
                     updates = self._requests.get(update.request_id)
                     if updates is not None:  # else: cancelled by us, and already forgotten
-                        updates.put_nowait(update)
+                        updates.queue.put_nowait(update)
         except grpc.aio.AioRpcError as error:
             ended = SessionEnded(error.code(), f"decode worker {self.address}: {error.details()}")
             log.warning("session to %s ended: %s %s", self.address, error.code().name, error.details())
@@ -88,5 +124,5 @@ class DecodeSession:
             self.closed = True
             self._outbox.put_nowait(None)
             for updates in self._requests.values():
-                updates.put_nowait(ended)
+                updates.queue.put_nowait(ended)
             self._requests.clear()

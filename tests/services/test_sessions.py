@@ -11,19 +11,19 @@ from pathlib import Path
 import grpc
 
 from tandem.decode_svc.servicer import DecodeServicer
-from tandem.gateway.sessions import DecodeSession, SessionEnded, Update
+from tandem.gateway.sessions import DecodeSession, RequestUpdates, SessionEnded, Update
 from tandem.shared.rpc import make_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tests.factories import prompts_for
 from tests.services.test_disaggregated import Worker, decode_request, reference_tokens
 
 
-async def collect(updates: asyncio.Queue[Update]) -> tuple[list[int], list[Update]]:
+async def collect(updates: RequestUpdates) -> tuple[list[int], list[Update]]:
     """A request's tokens and its updates, until its last one (a finish, an error, or the session's end)."""
     tokens: list[int] = []
     seen: list[Update] = []
     while True:
-        update = await updates.get()
+        update = await updates.next()
         seen.append(update)
         if isinstance(update, SessionEnded) or update.error_code:
             return tokens, seen
@@ -108,7 +108,7 @@ async def test_cancelling_one_request_leaves_the_others_alone(workers: tuple[Wor
     session = DecodeSession(channel, decode.address)
     queues = [session.start(decode_request(f"k{i}", p, prefill.address, max_tokens=40), None)
               for i, p in enumerate(prompts)]
-    first = await queues[1].get()
+    first = await queues[1].next()
     assert not isinstance(first, SessionEnded) and first.response.token_ids
     session.finish("k1", cancel=True)
     results = await asyncio.gather(collect(queues[0]), collect(queues[2]))
@@ -147,7 +147,7 @@ async def test_drain_refuses_new_requests_and_ends_the_idle_session(workers: tup
     channel = make_channel(decode.address)
     session = DecodeSession(channel, decode.address)
     running = session.start(decode_request("r", prompt, prefill.address, max_tokens=30), None)
-    await running.get()  # under way
+    await running.next()  # under way
     assert isinstance(decode.servicer, DecodeServicer)
     decode.servicer.drain()
     _, refused = await collect(session.start(decode_request("new", prompt, prefill.address), None))
@@ -166,3 +166,31 @@ async def test_drain_refuses_new_requests_and_ends_the_idle_session(workers: tup
 
 def _status(number: int) -> grpc.StatusCode:
     return next(code for code in grpc.StatusCode if code.value[0] == number)
+
+
+async def test_updates_waiting_are_merged_up_to_an_end() -> None:
+    """A gateway that fell behind sends a request's waiting tokens in one message; an error or the session's
+    end is never merged away."""
+    updates = RequestUpdates()
+
+    def tokens(ids: list[int], finish: int = 0, ttft: float = 0.0) -> worker_pb2.SessionUpdate:
+        return worker_pb2.SessionUpdate(request_id="r", response=worker_pb2.DecodeResponse(
+            token_ids=ids, logprobs=[-float(i) for i in ids], finish_reason=finish, time_to_first_token_s=ttft))
+
+    for update in (tokens([1, 2], ttft=0.5), tokens([3]), tokens([4], finish=1), tokens([5])):
+        updates.queue.put_nowait(update)
+    merged = await updates.next()
+    assert isinstance(merged, worker_pb2.SessionUpdate)
+    assert list(merged.response.token_ids) == [1, 2, 3, 4]
+    assert list(merged.response.logprobs) == [-1.0, -2.0, -3.0, -4.0]
+    assert merged.response.finish_reason == 1 and merged.response.time_to_first_token_s == 0.5
+    assert list((await updates.next()).response.token_ids) == [5]  # type: ignore[union-attr]
+
+    failed = worker_pb2.SessionUpdate(request_id="r", error_code=grpc.StatusCode.INTERNAL.value[0])
+    ended = SessionEnded(grpc.StatusCode.UNAVAILABLE, "gone")
+    for update in (tokens([6]), tokens([7]), failed, tokens([8]), ended):
+        updates.queue.put_nowait(update)
+    assert list((await updates.next()).response.token_ids) == [6, 7]  # type: ignore[union-attr]
+    assert await updates.next() == failed
+    assert list((await updates.next()).response.token_ids) == [8]  # type: ignore[union-attr]
+    assert await updates.next() == ended

@@ -87,6 +87,23 @@ def test_output_equals_one_shot_decode_for_random_tokens(tokenizer) -> None:
     check()
 
 
+def test_tokens_pushed_in_groups_give_the_same_text(tokenizer) -> None:
+    """The gateway pushes several tokens at once when it fell behind (and decodes them together when no
+    stop string is set): the text must not depend on how the tokens were grouped."""
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(output_ids=_sequences(tokenizer), cuts=st.lists(st.integers(0, 40), max_size=8))
+    def check(output_ids: list[int], cuts: list[int]) -> None:
+        bounds = sorted({0, len(output_ids), *(c for c in cuts if c <= len(output_ids))})
+        detokenizer = IncrementalDetokenizer(tokenizer, encode(tokenizer, PROMPT))
+        groups = [output_ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        chunks = [detokenizer.push(group) for group in groups] + [detokenizer.finish()]
+        assert "".join(chunks) == decode(tokenizer, output_ids)
+        assert not any(chunk.endswith("\ufffd") for chunk in chunks[:-1]), "U+FFFD released before the end"
+        assert detokenizer.num_tokens_used == len(output_ids)
+
+    check()
+
+
 def test_stop_string_in_random_tokens_cuts_exactly(tokenizer) -> None:
     @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(output_ids=_sequences(tokenizer), data=st.data())
