@@ -1,0 +1,92 @@
+"""What one streamed gRPC message costs a grpc.aio server in CPU, with nothing else in the handler.
+
+    python -m tandem.benchmarks.grpc_stream_cost --streams 256 --messages 64
+
+A bare `Generation.Generate` handler (a subprocess) streams `--messages` small `GenerateResponse`s on each
+of `--streams` concurrent calls from a client in this process; the server process's CPU time (Linux
+/proc) divided by the messages sent is the floor under what the gateway pays per message to its clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+
+class _Streamer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, num_messages: int) -> None:
+        self.num_messages = num_messages
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        for i in range(self.num_messages):
+            yield generation_pb2.GenerateResponse(request_id=request.request_id, text=" tok", token_ids=[i])
+            await asyncio.sleep(0)  # let the other streams interleave, as a gateway's do
+
+
+async def _serve(num_messages: int) -> None:
+    server = grpc.aio.server()
+    generation_pb2_grpc.add_GenerationServicer_to_server(_Streamer(num_messages), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+
+async def _load(port: int, num_streams: int) -> tuple[int, float]:
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(4)]
+    stubs = [generation_pb2_grpc.GenerationStub(c) for c in channels]
+
+    async def one(i: int) -> int:
+        return len([r async for r in stubs[i % 4].Generate(generation_pb2.GenerateRequest(request_id=str(i)))])
+
+    await asyncio.gather(*(one(i) for i in range(8)))  # warm-up
+    start = time.perf_counter()
+    num = sum(await asyncio.gather(*(one(i) for i in range(num_streams))))
+    seconds = time.perf_counter() - start
+    for channel in channels:
+        await channel.close()
+    return num, seconds
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--messages", type=int, default=64)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server subprocess
+    args = parser.parse_args()
+    if args.serve:
+        asyncio.run(_serve(args.messages))
+        return
+    server = subprocess.Popen([sys.executable, "-m", "tandem.benchmarks.grpc_stream_cost", "--serve",
+                               "--messages", str(args.messages)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        before = _cpu_seconds(server.pid)
+        num, seconds = asyncio.run(_load(port, args.streams))
+        cpu = _cpu_seconds(server.pid) - before
+    finally:
+        server.terminate()
+        server.wait()
+    print(f"{num} messages on {args.streams} streams in {seconds:.2f} s; server CPU {cpu:.2f} s = "
+          f"{cpu / num * 1e6:.0f} µs per message")
+
+
+if __name__ == "__main__":
+    main()
