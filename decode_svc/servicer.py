@@ -21,7 +21,7 @@ from tandem.shared.engine.request import Request
 from tandem.shared.engine.sampling_params import SamplingParams
 from tandem.shared.errors import DeadlineExceededError, KVTransportError, OverloadedError, TandemError
 from tandem.shared.kv_ipc import CUDA_IPC, GRPC, ExportedPool, choose_transport, gpu_uuid
-from tandem.shared.kv_transfer import layout_to_proto, messages_to_pages
+from tandem.shared.kv_transfer import layout_to_proto, messages_to_pages, page_bytes
 from tandem.shared.rpc import TlsConfig, make_channel, status_of
 from tandem.shared.service import is_unreachable, worker_info
 from tandem.shared.telemetry import ending, get_tracer, inject_metadata, record_error
@@ -318,7 +318,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 if kind == "pages":
                     pages = message.pages
                     k, v = messages_to_pages(pages, layout)
-                    num_bytes += len(pages.k) + len(pages.v)
+                    num_bytes += page_bytes(pages, layout)
                     layer, block_start = pages.layer, pages.block_start
                     engine.post(lambda e, k=k, v=v, layer=layer, start=block_start:
                                 e.write_pages(request, layer, start, k, v))

@@ -21,7 +21,7 @@ from tandem.shared.engine.engine import Engine, StepResult
 from tandem.shared.engine.request import Request
 from tandem.shared.errors import KVTransportError
 from tandem.shared.kv_ipc import copy_layer, open_pool
-from tandem.shared.kv_transfer import PageExporter, check_layout, layout_from_proto
+from tandem.shared.kv_transfer import PageExporter, check_layout, layout_from_proto, page_bytes
 from tandem.shared.service import worker_info
 from tandem.shared.telemetry import ending, get_tracer
 from tandem.shared.wire import sampling_from_worker
@@ -122,7 +122,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 event = await events.get()
                 if isinstance(event, PagesEvent):
                     for message in event.messages:
-                        num_bytes += len(message.k) + len(message.v)
+                        num_bytes += page_bytes(message, engine.layout)
                         yield worker_pb2.PrefillResponse(pages=message)
                     continue
                 if isinstance(event, LayersDoneEvent):
@@ -136,7 +136,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                     await asyncio.wrap_future(self.exporter.flush())
                     late = [events.get_nowait() for _ in range(events.qsize())]
                     for message in (m for pages in late if isinstance(pages, PagesEvent) for m in pages.messages):
-                        num_bytes += len(message.k) + len(message.v)
+                        num_bytes += page_bytes(message, engine.layout)
                         yield worker_pb2.PrefillResponse(pages=message)
                 self.traces.first_token(req_id, event, num_bytes, "cuda-ipc" if request.HasField("target") else "grpc")
                 yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(

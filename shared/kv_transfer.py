@@ -7,6 +7,7 @@ so that each message stays well under the channel's message-size limit.
 from __future__ import annotations
 
 import logging
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,17 +63,28 @@ def pages_to_messages(layer: int, k: torch.Tensor, v: torch.Tensor,
                                  k=k_bytes, v=v_bytes, crc32=zlib.crc32(v_bytes, zlib.crc32(k_bytes)))
 
 
+def page_bytes(message: worker_pb2.KVPages, layout: KVLayout) -> int:
+    """K plus V bytes a pages message carries (without reading its bytes fields: each read may copy them)."""
+    return 2 * message.num_blocks * layout.block_bytes_per_layer
+
+
 def messages_to_pages(message: worker_pb2.KVPages, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check the checksum and the size, and view the bytes as K and V tensors on the CPU."""
-    if zlib.crc32(message.v, zlib.crc32(message.k)) != message.crc32:
+    """Check the checksum and the size, and view the bytes as K and V tensors on the CPU (read-only views
+    of the message's bytes: copy before writing into them)."""
+    k_bytes, v_bytes = message.k, message.v  # each read of a bytes field may copy it: read once
+    if zlib.crc32(v_bytes, zlib.crc32(k_bytes)) != message.crc32:
         raise ValueError(f"KV pages of layer {message.layer} failed their CRC32 check")
     dtype = getattr(torch, layout.dtype)
     shape = (message.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
     expected = message.num_blocks * layout.block_bytes_per_layer
-    if len(message.k) != expected or len(message.v) != expected:
-        raise ValueError(f"KV pages of layer {message.layer}: {len(message.k)} bytes, expected {expected}")
-    k = torch.frombuffer(bytearray(message.k), dtype=torch.uint8).view(dtype).view(shape)
-    v = torch.frombuffer(bytearray(message.v), dtype=torch.uint8).view(dtype).view(shape)
+    if len(k_bytes) != expected or len(v_bytes) != expected:
+        raise ValueError(f"KV pages of layer {message.layer}: {len(k_bytes)} bytes, expected {expected}")
+    # Views of the bytes, not copies: they are only read (written into the pool), and live as long as the
+    # tensors do. torch warns that the buffer is read-only; that is the point here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        k = torch.frombuffer(k_bytes, dtype=torch.uint8).view(dtype).view(shape)
+        v = torch.frombuffer(v_bytes, dtype=torch.uint8).view(dtype).view(shape)
     return k, v
 
 

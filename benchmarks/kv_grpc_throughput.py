@@ -1,0 +1,145 @@
+"""The `grpc` KV transport alone: a prompt's pages from one process's pool into another's, as GB/s.
+
+    python -m tandem.benchmarks.kv_grpc_throughput --tokens 1024,4096 --out kv-grpc.json
+
+The sending process is a Prefill server whose handler computes nothing: it ships the pages of a pool of
+the chosen model's KV shape (default Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16, 128 KiB per token)
+layer by layer through the prefill service's own path (`PageExporter`: device→host, raw bytes, CRC32,
+chunked messages), then a first token. The receiver is decode's path: `messages_to_pages` (CRC check) and
+a write into its own pool. Time runs from the call to the first token, as the `kv.transfer` span measures
+it. On a GPU (`--device cuda`) both pools live on it; on the CPU this is the transport's host cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import torch
+
+from tandem.shared.kv_transfer import PageExporter, messages_to_pages, page_bytes
+from tandem.shared.models import load_model_config
+from tandem.shared.rpc import make_channel, start_server
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+BLOCK_SIZE = 16
+
+
+def pool_for(model: str, num_tokens: int, device: str) -> tuple[torch.Tensor, int]:
+    """A pool [layers, 2, blocks, block_size, kv_heads, head_dim] of random bf16 pages, and its block count."""
+    config = load_model_config(model, fetch=False)
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    shape = (config.num_hidden_layers, 2, num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
+    return torch.randn(shape, device=device).to(torch.bfloat16), num_blocks
+
+
+class _Sender(worker_pb2_grpc.PrefillServicer):
+    def __init__(self, model: str, device: str) -> None:
+        self.model, self.device = model, device
+        self.pools: dict[int, tuple[torch.Tensor, int]] = {}  # by prompt length: made once, outside the timing
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        num_tokens = len(request.prompt_token_ids)
+        if num_tokens not in self.pools:
+            self.pools[num_tokens] = pool_for(self.model, num_tokens, self.device)
+        pool, num_blocks = self.pools[num_tokens]
+        exporter = PageExporter(pool)
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Queue[list[worker_pb2.KVPages]] = asyncio.Queue()
+        for layer in range(pool.shape[0]):
+            exporter.submit(layer, list(range(num_blocks)),
+                            lambda messages: loop.call_soon_threadsafe(ready.put_nowait, messages))
+        for _ in range(pool.shape[0]):
+            for message in await ready.get():
+                yield worker_pb2.PrefillResponse(pages=message)
+        exporter.close()
+        yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(token_id=1))
+
+
+async def _serve(model: str, device: str) -> None:
+    def add(server: grpc.aio.Server) -> list[str]:
+        worker_pb2_grpc.add_PrefillServicer_to_server(_Sender(model, device), server)
+        return ["tandem.v1.Prefill"]
+
+    server, port, _ = await start_server("127.0.0.1:0", add)
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+
+async def _receive(port: int, model: str, num_tokens: int, device: str) -> dict[str, float]:
+    from tandem.shared.engine.kv_cache import KVLayout
+
+    config = load_model_config(model, fetch=False)
+    pool, num_blocks = pool_for(model, num_tokens, device)
+    layout = KVLayout("bfloat16", BLOCK_SIZE, config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                      "benchmark")
+    index = torch.arange(num_blocks, device=device)
+    channel = make_channel(f"127.0.0.1:{port}")
+    stub = worker_pb2_grpc.PrefillStub(channel)
+    start = time.perf_counter()
+    num_bytes = 0
+    async for response in stub.Prefill(worker_pb2.PrefillRequest(request_id="kv", prompt_token_ids=[0] * num_tokens)):
+        if response.WhichOneof("kind") == "pages":
+            pages = response.pages
+            k, v = messages_to_pages(pages, layout)
+            rows = index[pages.block_start:pages.block_start + pages.num_blocks]
+            pool[pages.layer, 0, rows] = k.to(device, non_blocking=True)
+            pool[pages.layer, 1, rows] = v.to(device, non_blocking=True)
+            num_bytes += page_bytes(pages, layout)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    await channel.close()
+    return {"tokens": num_tokens, "bytes": num_bytes, "seconds": seconds, "gb_per_s": num_bytes / seconds / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="dummy:llama-3.1-8b")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens", default="1024,4096")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the sending subprocess
+    args = parser.parse_args()
+    if args.serve:
+        asyncio.run(_serve(args.model, args.device))
+        return
+    sender = subprocess.Popen([sys.executable, "-m", "tandem.benchmarks.kv_grpc_throughput", "--serve",
+                               "--model", args.model, "--device", args.device], stdout=subprocess.PIPE, text=True)
+    rows = []
+    try:
+        assert sender.stdout is not None
+        port = int(sender.stdout.readline())
+        for num_tokens in (int(t) for t in args.tokens.split(",")):
+            asyncio.run(_receive(port, args.model, num_tokens, args.device))  # the sender makes its pool
+            runs = [asyncio.run(_receive(port, args.model, num_tokens, args.device)) for _ in range(args.repeat)]
+            best = statistics.median(r["seconds"] for r in runs)
+            rows.append({"tokens": num_tokens, "bytes": runs[0]["bytes"], "median_s": best,
+                         "gb_per_s": runs[0]["bytes"] / best / 1e9, "runs_s": [r["seconds"] for r in runs]})
+            print(f"{num_tokens:>6} tokens  {runs[0]['bytes'] / 1e6:8.1f} MB  {best * 1e3:8.1f} ms  "
+                  f"{rows[-1]['gb_per_s']:5.2f} GB/s", flush=True)
+    finally:
+        sender.terminate()
+        sender.wait()
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "benchmark": "kv_grpc_throughput", "model": args.model, "device": args.device,
+            "versions": {"torch": torch.__version__, "grpcio": grpc.__version__,
+                         "python": platform.python_version()},
+            "date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
