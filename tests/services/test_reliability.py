@@ -51,13 +51,13 @@ class Worker:
         return engine.num_free_blocks == engine.num_total_blocks
 
 
-def _config() -> EngineConfig:
-    return EngineConfig(model=load_model_config(MODEL), cache=CacheConfig(block_size=16, num_blocks=64),
+def _config(num_blocks: int = 64) -> EngineConfig:
+    return EngineConfig(model=load_model_config(MODEL), cache=CacheConfig(block_size=16, num_blocks=num_blocks),
                         scheduler=SchedulerConfig(max_model_len=256, max_num_batched_tokens=512))
 
 
-async def start_worker(role: str, **kwargs: object) -> Worker:
-    engine = AsyncEngine(Engine(_config()), name=f"rel-{role}")
+async def start_worker(role: str, num_blocks: int = 64, **kwargs: object) -> Worker:
+    engine = AsyncEngine(Engine(_config(num_blocks)), name=f"rel-{role}")
     servicer: PrefillServicer | DecodeServicer
     if role == "prefill":
         servicer = PrefillServicer(engine, MODEL)
@@ -141,6 +141,56 @@ async def test_gateway_resumes_on_another_decode_worker_token_exact(
             break
         await asyncio.sleep(0.01)
     assert survivor.is_idle
+
+
+async def test_a_broken_session_resumes_every_request_in_it_token_exact() -> None:
+    """The gateway multiplexes its requests to a decode worker over one session: when that worker dies, every
+    request in the session resumes on another one, each token-exact, and the client streams see nothing."""
+    prefill = await start_worker("prefill")
+    # The big worker takes every request (most free blocks per queued request) until it dies; the small one
+    # (16 blocks: one full-length request) then runs them all, preempting as it goes.
+    big, small = await start_worker("decode", num_blocks=256), await start_worker("decode", num_blocks=16)
+    # Probed like the gateway's own registry, so that routing sees each worker's free blocks.
+    registry = StaticRegistry([prefill.address], [big.address, small.address], InfoProbe())
+    await registry.start()
+    router = Router(load_gateway_model(MODEL, 256), registry)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=48, temperature=0.9, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=36, temperature=0.7, top_p=0.9, seed=5, ignore_eos=True)]
+    try:
+        expected = [await collect(router, f"calm-{i}", p) for i, p in enumerate(params)]
+        on_big = asyncio.Event()
+        num_streamed = [0] * len(params)
+
+        async def one(i: int) -> tuple[list[int], str, str]:
+            tokens: list[int] = []
+            text = finish = ""
+            async with contextlib.aclosing(router.stream(f"storm-{i}", PROMPT, params[i], timeout=60)) as chunks:
+                async for new_ids, new_text, progress in chunks:
+                    tokens += new_ids
+                    text += new_text
+                    finish = progress.finish_reason or ""
+                    num_streamed[i] = len(tokens)
+                    if len(tokens) >= 10 and min(num_streamed) >= 2 and not on_big.is_set():
+                        # Every request is under way on the big worker: kill it under all of them.
+                        assert all(serves(big, f"storm-{j}") for j in range(len(params)))
+                        on_big.set()
+                        await big.server.stop(0)
+            return tokens, text, finish
+
+        assert await asyncio.gather(*(one(i) for i in range(len(params)))) == expected
+        assert on_big.is_set()
+        for _ in range(200):
+            if small.is_idle:
+                break
+            await asyncio.sleep(0.01)
+        assert small.is_idle
+    finally:
+        await router.close()
+        await registry.stop()
+        for worker in (prefill, big, small):
+            await worker.server.stop(0)
+            worker.engine.close()
 
 
 async def test_unavailable_only_when_no_decode_worker_is_left(cluster: tuple[Worker, list[Worker], Router]) -> None:
