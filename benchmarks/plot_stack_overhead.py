@@ -23,7 +23,7 @@ def main() -> None:
     # Each run's own ratio (runs interleave engine and stack), to show the spread behind the median.
     runs = [[100 * s["output_tok_per_s"] / e["output_tok_per_s"] for e, s in zip(r["engine"], r["stack"], strict=True)]
             for r in reports]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     ax.barh(range(len(reports)), shares, color="tab:blue", alpha=0.7)
     for i, values in enumerate(runs):
         ax.plot(values, [i] * len(values), "k.", label="single runs" if i == 0 else None)
@@ -32,6 +32,7 @@ def main() -> None:
     ax.set(yticks=range(len(reports)), yticklabels=labels, xlim=(0, 105),
            xlabel="stack output tok/s, % of the offline engine's", title=reports[0]["args"]["model"] + " on "
            + reports[0]["args"]["device"] + f", {reports[0]['args']['num_requests']} requests in one burst")
+    ax.title.set_fontsize(10)
     ax.invert_yaxis()
     ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
