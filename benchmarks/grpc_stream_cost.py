@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 
+from tandem.benchmarks.stack_overhead import cpu_seconds
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 
 
@@ -59,11 +58,6 @@ async def _load(port: int, num_streams: int) -> tuple[int, float]:
     return num, seconds
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=256)
@@ -78,9 +72,9 @@ def main() -> None:
     try:
         assert server.stdout is not None
         port = int(server.stdout.readline())
-        before = _cpu_seconds(server.pid)
+        before = cpu_seconds(server.pid)["process"]
         num, seconds = asyncio.run(_load(port, args.streams))
-        cpu = _cpu_seconds(server.pid) - before
+        cpu = cpu_seconds(server.pid)["process"] - before
     finally:
         server.terminate()
         server.wait()

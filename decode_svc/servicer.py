@@ -45,15 +45,24 @@ class _Session:
     """One gateway's session: its requests in flight, and the updates not yet sent."""
 
     tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
-    updates: list[worker_pb2.SessionUpdate] = field(default_factory=list)
+    # The next message, filled in place (each update is copied once, into it).
+    pending: worker_pb2.SessionResponse = field(default_factory=worker_pb2.SessionResponse)
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # something to send, or to re-check
 
-    def send(self, update: worker_pb2.SessionUpdate) -> None:
-        self.updates.append(update)
+    def send(self, req_id: str, response: worker_pb2.DecodeResponse) -> None:
+        self.pending.updates.add(request_id=req_id, response=response)
         self.ready.set()
 
     def fail(self, req_id: str, code: grpc.StatusCode, message: str) -> None:
-        self.send(worker_pb2.SessionUpdate(request_id=req_id, error_code=code.value[0], error_message=message))
+        self.pending.updates.add(request_id=req_id, error_code=code.value[0], error_message=message)
+        self.ready.set()
+
+    def take(self) -> worker_pb2.SessionResponse | None:
+        """The message to send now (None if nothing is pending)."""
+        if not self.pending.updates:
+            return None
+        message, self.pending = self.pending, worker_pb2.SessionResponse()
+        return message
 
 
 def _deadline(time_remaining: float | None) -> float | None:
@@ -110,9 +119,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             while True:
                 await session.ready.wait()
                 session.ready.clear()
-                if session.updates:
-                    updates, session.updates = session.updates, []
-                    yield worker_pb2.SessionResponse(updates=updates)
+                if (message := session.take()) is not None:
+                    yield message
                 if not session.tasks and (self.draining or reader.done()):
                     return  # draining (or the gateway closed its side) and nothing left in flight
         finally:
@@ -153,7 +161,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 responses = self._serve(start.request, _deadline(timeout), start.trace_context.items())
                 async with contextlib.aclosing(responses):
                     async for response in responses:
-                        session.send(worker_pb2.SessionUpdate(request_id=req_id, response=response))
+                        session.send(req_id, response)
         except TimeoutError:
             session.fail(req_id, grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded for {req_id}")
         except TandemError as error:

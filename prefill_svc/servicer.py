@@ -114,6 +114,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         start = time.perf_counter()
         events = self.engine.open_stream(req_id)
         num_bytes = 0
+        flushed = False
         try:
             prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
             await self.engine.call(lambda e: e.add_request(req_id, prompt, params, prefill_only=True,
@@ -131,13 +132,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 if isinstance(event, EngineFailure):
                     raise event
                 assert isinstance(event, TokenEvent)
-                if not request.HasField("target"):
-                    # The first token can come before the last pages are made: those go first.
+                if not request.HasField("target") and not flushed:
+                    # The first token can come before the last pages are made: wait for the exporter (its
+                    # pages are queued behind this token then), and take the token again after them.
                     await asyncio.wrap_future(self.exporter.flush())
-                    late = [events.get_nowait() for _ in range(events.qsize())]
-                    for message in (m for pages in late if isinstance(pages, PagesEvent) for m in pages.messages):
-                        num_bytes += page_bytes(message, engine.layout)
-                        yield worker_pb2.PrefillResponse(pages=message)
+                    flushed = True
+                    events.put_nowait(event)
+                    continue
                 self.traces.first_token(req_id, event, num_bytes, "cuda-ipc" if request.HasField("target") else "grpc")
                 yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
                     token_id=event.token_ids[-1], logprob=event.logprobs[-1],
