@@ -308,7 +308,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         if transport == CUDA_IPC:
             pool = self._exported_pool()
             target = worker_pb2.KVTarget(pool_id=pool.pool_id, block_ids=request.block_ids,
-                                         pool_handle=b"" if peer.has_handle else pool.handle)
+                                         pool=None if peer.has_handle else pool.handle.to_proto())
         stub = worker_pb2_grpc.PrefillStub(self._channel(address))
         kv_span = self.traces.start_kv_transfer(req_id, transport, address)
         call = stub.Prefill(worker_pb2.PrefillRequest(

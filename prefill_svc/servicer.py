@@ -20,7 +20,7 @@ from tandem.shared.async_engine import AsyncEngine, EngineFailure, TokenEvent
 from tandem.shared.engine.engine import Engine, StepResult
 from tandem.shared.engine.request import Request
 from tandem.shared.errors import KVTransportError
-from tandem.shared.kv_ipc import copy_layer, open_pool
+from tandem.shared.kv_ipc import PoolHandle, copy_layer, open_pool
 from tandem.shared.kv_transfer import PageExporter, check_layout, layout_from_proto, page_bytes
 from tandem.shared.service import worker_info
 from tandem.shared.telemetry import ending, get_tracer
@@ -154,15 +154,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     def _open_target(self, target: worker_pb2.KVTarget, num_prompt_tokens: int) -> IpcTarget:
         pool = self._pools.get(target.pool_id)
         if pool is None:
-            if not target.pool_handle:
+            if not target.HasField("pool"):
                 raise KVTransportError(f"cuda-ipc: unknown pool {target.pool_id}; send its handle")
-            try:
-                pool = open_pool(target.pool_handle)
-            except (RuntimeError, ValueError, TypeError, AttributeError) as error:
-                raise KVTransportError(f"cuda-ipc: cannot open the peer's pool handle ({error})") from None
-            own = self.engine.engine.runner.kv_cache.tensor
-            if pool.shape[0:2] != own.shape[0:2] or pool.shape[3:] != own.shape[3:] or pool.dtype != own.dtype:
-                raise KVTransportError(f"cuda-ipc: peer pool {tuple(pool.shape)} {pool.dtype} does not match ours")
+            engine = self.engine.engine
+            pool = open_pool(PoolHandle.from_proto(target.pool), engine.layout, engine.runner.device)
             self._pools[target.pool_id] = pool
         block_size = self.engine.engine.runner.block_size
         if len(target.block_ids) != -(-num_prompt_tokens // block_size):

@@ -9,11 +9,15 @@ fail it); otherwise, or after such a failure, `grpc` (pages as bytes in the stre
 from __future__ import annotations
 
 import logging
-import pickle
+import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+
+from tandem.shared.engine.kv_cache import KVLayout
+from tandem.shared.errors import KVTransportError
+from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -45,26 +49,97 @@ def choose_transport(preference: str, my_uuid: str, peer_uuid: str, peer_transpo
     return CUDA_IPC if possible else GRPC
 
 
+# cudaIpcMemHandle_t and cudaIpcEventHandle_t are 64 opaque bytes (CUDA_IPC_HANDLE_SIZE).
+IPC_HANDLE_SIZE = 64
+# torch names the shared-memory file of its IPC reference counters "/torch_<pid>_<random>_<counter>", and
+# each file holds CUDA_IPC_REF_COUNTER_FILE_SIZE (10,000) counters.
+_REF_COUNTER_HANDLE = re.compile(r"/torch_\d{1,10}_\d{1,20}_\d{1,20}")
+_REF_COUNTER_SLOTS = 10_000
+
+
+@dataclass(frozen=True)
+class PoolHandle:
+    """A CUDA IPC mapping of a KV pool as plain values (what torch's `_share_cuda_` returns), never a
+    serialized object: the receiver checks every field before handing any of them to the CUDA driver."""
+
+    gpu_uuid: str
+    num_blocks: int
+    memory_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: str
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+    def to_proto(self) -> worker_pb2.CudaIpcPool:
+        return worker_pb2.CudaIpcPool(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    @classmethod
+    def from_proto(cls, message: worker_pb2.CudaIpcPool) -> PoolHandle:
+        return cls(**{f.name: getattr(message, f.name) for f in fields(cls)})
+
+
 @dataclass
 class ExportedPool:
     """The decode side: one pool, its id and its IPC handle (made once)."""
 
     pool_id: str
-    handle: bytes
+    handle: PoolHandle
 
     @classmethod
     def of(cls, pool: torch.Tensor) -> ExportedPool:
-        from torch.multiprocessing.reductions import reduce_tensor
+        assert pool.is_cuda and pool.is_contiguous() and pool.storage_offset() == 0, "export the whole pool"
+        (_, memory_handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
+         event_sync) = pool.untyped_storage()._share_cuda_()
+        # The pool lives as long as the worker, so the handle stays valid for every peer.
+        handle = PoolHandle(gpu_uuid=gpu_uuid(pool.device), num_blocks=pool.shape[2], memory_handle=memory_handle,
+                            storage_size_bytes=size_bytes, storage_offset_bytes=offset_bytes,
+                            ref_counter_handle=ref_handle.decode() if isinstance(ref_handle, bytes) else ref_handle,
+                            ref_counter_offset=ref_offset, event_handle=event_handle or b"",
+                            event_sync_required=bool(event_sync))
+        return cls(pool_id=uuid.uuid4().hex, handle=handle)
 
-        # reduce_tensor gives (rebuild function, args) carrying the cudaIpcMemHandle of the storage; the
-        # pool lives as long as the worker, so the handle stays valid for every peer.
-        return cls(pool_id=uuid.uuid4().hex, handle=pickle.dumps(reduce_tensor(pool)))
+
+def check_pool_handle(handle: PoolHandle, layout: KVLayout, device: torch.device) -> None:
+    """Raise KVTransportError unless `handle` is well-formed for a pool of `layout` on `device`."""
+    problems = []
+    if device.type != "cuda" or handle.gpu_uuid != gpu_uuid(device):
+        problems.append(f"gpu_uuid {handle.gpu_uuid!r} is not this worker's GPU")
+    if len(handle.memory_handle) != IPC_HANDLE_SIZE:
+        problems.append(f"memory_handle is {len(handle.memory_handle)} bytes, not {IPC_HANDLE_SIZE}")
+    if handle.event_handle and len(handle.event_handle) != IPC_HANDLE_SIZE:
+        problems.append(f"event_handle is {len(handle.event_handle)} bytes, not {IPC_HANDLE_SIZE}")
+    if handle.num_blocks < 1:
+        problems.append("num_blocks must be >= 1")
+    expected = handle.num_blocks * 2 * layout.num_layers * layout.block_bytes_per_layer
+    if handle.storage_size_bytes != expected:
+        problems.append(f"storage_size_bytes {handle.storage_size_bytes} != {expected} for {handle.num_blocks} "
+                        "blocks of this layout")
+    if handle.storage_offset_bytes >= 1 << 48:
+        problems.append(f"storage_offset_bytes {handle.storage_offset_bytes} is out of range")
+    if not _REF_COUNTER_HANDLE.fullmatch(handle.ref_counter_handle):
+        problems.append(f"ref_counter_handle {handle.ref_counter_handle[:64]!r} is not a torch IPC counter file")
+    if not 0 <= handle.ref_counter_offset < _REF_COUNTER_SLOTS:
+        problems.append(f"ref_counter_offset {handle.ref_counter_offset} is out of range")
+    if problems:
+        raise KVTransportError("cuda-ipc: invalid pool handle (" + "; ".join(problems) + ")")
 
 
-def open_pool(handle: bytes) -> torch.Tensor:
-    """The prefill side: map a peer's pool. Raises RuntimeError when the handle cannot be opened."""
-    rebuild, args = pickle.loads(handle)  # noqa: S301 - from our own peer over the internal API
-    return rebuild(*args)
+def open_pool(handle: PoolHandle, layout: KVLayout, device: torch.device) -> torch.Tensor:
+    """The prefill side: map a peer's pool, [L, 2, num_blocks, B, Hkv, D] in the layout's dtype, after
+    checking the handle. Raises KVTransportError when it is malformed or cannot be opened."""
+    check_pool_handle(handle, layout, device)
+    torch.cuda._lazy_init()
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            device.index if device.index is not None else torch.cuda.current_device(), handle.memory_handle,
+            handle.storage_size_bytes, handle.storage_offset_bytes, handle.ref_counter_handle.encode(),
+            handle.ref_counter_offset, handle.event_handle or None, handle.event_sync_required)
+    except RuntimeError as error:
+        raise KVTransportError(f"cuda-ipc: cannot open the peer's pool handle ({error})") from None
+    shape = (layout.num_layers, 2, handle.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    return torch.empty(0, dtype=getattr(torch, layout.dtype), device=device).set_(storage).view(shape)
 
 
 def copy_layer(src: torch.Tensor, src_blocks: torch.Tensor, dst: torch.Tensor, dst_blocks: torch.Tensor,
