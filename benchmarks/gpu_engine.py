@@ -24,14 +24,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tandem.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.request import Request
+from tandem.engine.runner import ModelRunner
+from tandem.engine.scheduler import num_blocks_for
 from tandem.kernels import get_ops
-from tandem.shared.config import CacheConfig, EngineConfig, SchedulerConfig
-from tandem.shared.engine.block_pool import BlockPool
-from tandem.shared.engine.request import Request
-from tandem.shared.engine.runner import ModelRunner
-from tandem.shared.engine.sampling_params import SamplingParams
-from tandem.shared.engine.scheduler import num_blocks_for
-from tandem.shared.models import load_model_config
+from tandem.models import load_model_config
 
 HBM_BYTES_PER_S = 4.25e12  # copy bandwidth measured on one H200 (PERFORMANCE guide)
 
@@ -175,7 +175,7 @@ def kv_bytes_per_token(runner: ModelRunner) -> int:
 
 
 def decode_latency(args: argparse.Namespace) -> dict[str, Any]:
-    from tandem.shared.engine.engine import Engine
+    from tandem.engine.engine import Engine
 
     models = ["dummy:tiny"] if args.dry_run else args.models.split(",")
     batches = [1, 4] if args.dry_run else [int(b) for b in args.batches.split(",")]
@@ -235,7 +235,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from tandem.shared.engine.engine import Engine
+    from tandem.engine.engine import Engine
 
     model = "dummy:tiny" if args.dry_run else args.model
     batch = 2 if args.dry_run else int(args.batches.split(",")[0])
@@ -313,7 +313,8 @@ def hf_model(model: str, device: str) -> Any:
                          tie_word_embeddings=m.tie_word_embeddings, rope_parameters=rope)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     with torch.device(device):
-        return LlamaForCausalLM(config).to(dtype).eval()
+        hf_model: Any = LlamaForCausalLM(config)
+        return hf_model.to(dtype).eval()
 
 
 def hf(args: argparse.Namespace) -> dict[str, Any]:

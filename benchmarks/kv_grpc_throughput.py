@@ -26,9 +26,9 @@ from pathlib import Path
 import grpc
 import torch
 
-from tandem.shared.kv_transfer import PageExporter, messages_to_pages, page_bytes
-from tandem.shared.models import load_model_config
-from tandem.shared.rpc import make_channel, start_server
+from tandem.models import load_model_config
+from tandem.serving.kv_transfer import PageExporter, messages_to_pages, page_bytes
+from tandem.serving.rpc import make_channel, start_server
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 BLOCK_SIZE = 16
@@ -77,7 +77,7 @@ async def _serve(model: str, device: str) -> None:
 
 
 async def _receive(port: int, model: str, num_tokens: int, device: str) -> dict[str, float]:
-    from tandem.shared.engine.kv_cache import KVLayout
+    from tandem.common.config import KVLayout
 
     config = load_model_config(model, fetch=False)
     pool, num_blocks = pool_for(model, num_tokens, device)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 import tandem
 from tandem import LLM, SamplingParams
-from tandem.shared.models import load_model_config
+from tandem.models import load_model_config
 
 
 def make_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -45,7 +45,8 @@ def run_tandem(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str,
 
 def load_hf(folder: str, device: str) -> Any:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    model: Any = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model.to(device).eval()
 
 
 def run_hf(model: Any, prompts: list[list[int]], max_tokens: int, device: str) -> dict[str, float]:
@@ -95,9 +96,10 @@ def main() -> None:
             for name, run in systems:
                 runs[name].append(run())
                 bar.update()
-    results = {name: sorted(r, key=lambda x: x["seconds"])[len(r) // 2] | {"all_seconds": [x["seconds"] for x in r]}
+    results: dict[str, dict[str, Any]] = {
+        name: sorted(r, key=lambda x: x["seconds"])[len(r) // 2] | {"all_seconds": [x["seconds"] for x in r]}
                for name, r in runs.items()}
-    report = {
+    report: dict[str, Any] = {
         "benchmark": "offline",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),

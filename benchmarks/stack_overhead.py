@@ -31,7 +31,7 @@ import torch
 import tandem
 from tandem import LLM, SamplingParams
 from tandem.benchmarks.serve import LengthDist, run_rate, workload
-from tandem.shared.root.launcher import Stack, StackOptions, free_port
+from tandem.launcher import Stack, StackOptions, free_port
 
 
 def run_engine(llm: LLM, requests: list[tuple[list[int], int]]) -> dict[str, float]:

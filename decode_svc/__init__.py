@@ -1,1 +1,2 @@
-"""tandem."""
+"""The decode service: continuous batching over pages pulled from prefill workers; never imports another
+service."""

@@ -3,34 +3,43 @@
 from __future__ import annotations
 
 import grpc
+from opentelemetry import trace
 
+from tandem.common.config import EngineConfig
+from tandem.decode_svc.generation import RequestRunner
+from tandem.decode_svc.kv_pull import KVPuller
 from tandem.decode_svc.servicer import DecodeServicer
-from tandem.shared import metrics
-from tandem.shared.async_engine import AsyncEngine
-from tandem.shared.engine.engine import Engine, StepResult
-from tandem.shared.service import (
-    EngineOptions,
-    ServiceOptions,
-    build_engine_config,
-    new_worker_id,
-    run_service,
-    worker_record,
-)
+from tandem.decode_svc.tracing import DecodeTraces
+from tandem.engine.engine import StepResult
+from tandem.serving import metrics
+from tandem.serving.async_engine import AsyncEngine
+from tandem.serving.rpc import ChannelPool, TlsConfig
+from tandem.serving.service import ServiceOptions, run_service
+from tandem.serving.telemetry import get_tracer
+from tandem.serving.worker import new_worker_id, start_engine, worker_record
 from tandem.v1 import worker_pb2_grpc
 
 
-async def serve(service: ServiceOptions, engine_options: EngineOptions, kv_transport: str = "auto",
+def create_servicer(engine: AsyncEngine, model_name: str, *, kv_transport: str = "auto", max_queued: int = 1024,
+                    tls: TlsConfig | None = None, tracer: trace.Tracer | None = None) -> DecodeServicer:
+    """The decode service's parts, wired: the KV puller (its channels use `tls`, this worker's certificate, for
+    mutual TLS to prefill workers), the request runner, the servicer. `tracer`: the process-wide one unless
+    given (tests host several services in one process)."""
+    traces = DecodeTraces(tracer or get_tracer("decode"))
+    puller = KVPuller(engine, ChannelPool(tls), traces, kv_transport)
+    return DecodeServicer(engine, model_name, RequestRunner(engine, puller, traces, max_queued))
+
+
+async def serve(service: ServiceOptions, config: EngineConfig, model_name: str, kv_transport: str = "auto",
                 max_queued: int = 1024) -> None:
-    engine = AsyncEngine(Engine(build_engine_config(engine_options)), name="decode-engine")
-    metrics.track_pool(lambda: engine.engine.num_total_blocks, lambda: engine.engine.num_free_blocks,
-                       lambda: engine.engine.scheduler.num_queued)
+    engine = start_engine(config, "decode")
 
     def on_step(result: StepResult, seconds: float) -> None:
         if result.requests:  # a step that found nothing to run (all waiting for pages) is no batch
             metrics.BATCH_SIZE.observe(len(result.requests))
 
     engine.on_step = on_step
-    servicer = DecodeServicer(engine, engine_options.model, kv_transport, max_queued=max_queued, tls=service.tls)
+    servicer = create_servicer(engine, model_name, kv_transport=kv_transport, max_queued=max_queued, tls=service.tls)
     worker_id = new_worker_id("decode")
 
     def add(server: grpc.aio.Server) -> list[str]:
@@ -41,6 +50,5 @@ async def serve(service: ServiceOptions, engine_options: EngineOptions, kv_trans
         await servicer.close()
         engine.close()
 
-    await run_service(service, add, lambda address: worker_record(engine, "decode", engine_options.model,
-                                                                   worker_id, address), cleanup=cleanup,
-                      on_drain=servicer.drain)
+    await run_service(service, add, lambda address: worker_record(engine, "decode", model_name, worker_id, address),
+                      cleanup=cleanup, on_drain=servicer.drain)

@@ -20,8 +20,8 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 
-from tandem.shared.async_engine import TokenEvent
-from tandem.shared.telemetry import extract_context
+from tandem.serving.async_engine import TokenEvent
+from tandem.serving.telemetry import extract_context
 
 
 @dataclass
@@ -103,7 +103,7 @@ class DecodeTraces:
                                            attributes={"tandem.queue_wait_s": event.queue_s})
         admission.end(end_time=scheduled_ns)
         prefill = self.tracer.start_span("prefill.local", context=request.context, start_time=scheduled_ns,
-                                         attributes={"tandem.prompt_tokens": event.num_local_prefill_tokens,
+                                         attributes={"tandem.prompt_tokens": sum(event.local_prefill_tokens.values()),
                                                      "tandem.batch_size": event.batch_size,
                                                      "tandem.compute_s": event.step_s})
         prefill.end(end_time=end_ns)

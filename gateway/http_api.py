@@ -27,6 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
+from tandem.common.errors import InvalidRequestError, OverloadedError, TandemError, UnavailableError
+from tandem.common.sampling_params import SamplingParams
 from tandem.gateway.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
 from tandem.gateway.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -37,10 +39,8 @@ from tandem.gateway.openai_protocol import (
     error_body,
     usage,
 )
-from tandem.gateway.servicer import Completion, Router
-from tandem.shared.engine.sampling_params import SamplingParams
-from tandem.shared.errors import InvalidRequestError, OverloadedError, TandemError, UnavailableError
-from tandem.shared.telemetry import ending, extract_context, record_error
+from tandem.gateway.router import Completion, Router
+from tandem.serving.telemetry import ending, extract_context, record_error
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def create_app(router: Router, api_keys: ApiKeys | None = None) -> FastAPI:
             router.check_model(body.model)
             body.check_supported()
             prompt_ids = router.prompt_ids(messages=[m.as_template_input() for m in body.messages])
-            default_max_tokens = model.max_model_len - len(prompt_ids)
+            default_max_tokens = router.max_model_len - len(prompt_ids)
             choices = [_Choice(j, 0, prompt_ids, body.sampling_params(body.requested_max_tokens,
                                                                       default_max_tokens, j))
                        for j in range(body.n)]
@@ -151,7 +151,7 @@ def create_app(router: Router, api_keys: ApiKeys | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         # Ready means a request could be routed now: at least one decode worker is known.
-        if not await router.registry.workers("decode"):
+        if not router.registry.workers("decode"):
             return JSONResponse({"status": "no decode worker"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -164,7 +164,7 @@ def create_app(router: Router, api_keys: ApiKeys | None = None) -> FastAPI:
 
 def _model_card(router: Router) -> dict[str, Any]:
     return {"id": router.model.name, "object": "model", "created": 0, "owned_by": "tandem",
-            "max_model_len": router.model.max_model_len}
+            "max_model_len": router.max_model_len}
 
 
 async def _respond(router: Router, request: Request, endpoint: _Endpoint, header: ResponseHeader,

@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.shared.engine.sampling_params import SamplingParams
-from tandem.shared.errors import InvalidRequestError
+from tandem.common.errors import InvalidRequestError
+from tandem.common.sampling_params import SamplingParams
 
 # The legacy completions endpoint's documented default; chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16

@@ -10,13 +10,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.gateway.auth import ApiKeyInterceptor, ApiKeys
 from tandem.gateway.http_api import HttpServer, create_app, start_http_server
-from tandem.gateway.servicer import GatewayModel, GenerationServicer, Router
-from tandem.shared.config import EngineConfig
-from tandem.shared.kv_transfer import layout_from_proto
-from tandem.shared.models import load_model_config, load_tokenizer
-from tandem.shared.registry import RedisRegistry, Registry, StaticRegistry, WorkerRecord
-from tandem.shared.rpc import TlsConfig, make_channel
-from tandem.shared.service import ServiceOptions, run_service
+from tandem.gateway.router import GatewayModel, Router
+from tandem.gateway.servicer import GenerationServicer
+from tandem.models import load_model_config, load_tokenizer
+from tandem.serving.registry import RedisRegistry, Registry, StaticRegistry, WorkerRecord
+from tandem.serving.rpc import ChannelPool, TlsConfig
+from tandem.serving.service import ServiceOptions, run_service
+from tandem.serving.wire import layout_from_proto
 from tandem.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
@@ -25,13 +25,10 @@ class InfoProbe:
     that is draining (health NOT_SERVING) counts as down, so no new request goes there."""
 
     def __init__(self, tls: TlsConfig | None = None) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._tls = tls
+        self.channels = ChannelPool(tls)
 
     async def __call__(self, role: str, address: str) -> WorkerRecord | None:
-        if address not in self._channels:
-            self._channels[address] = make_channel(address, tls=self._tls)
-        channel = self._channels[address]
+        channel = self.channels.get(address)
         stub = worker_pb2_grpc.PrefillStub(channel) if role == "prefill" else worker_pb2_grpc.DecodeStub(channel)
         try:
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
@@ -44,16 +41,18 @@ class InfoProbe:
         return WorkerRecord(role=role, address=address, model=info.model,
                             fingerprint=layout_from_proto(info.layout).fingerprint(),
                             num_free_blocks=info.num_free_blocks, num_total_blocks=info.num_total_blocks,
-                            queue_depth=info.queue_depth, worker_id=f"{role}@{address}", updated_at=time.time())
+                            queue_depth=info.queue_depth, worker_id=f"{role}@{address}", updated_at=time.time(),
+                            max_model_len=info.max_model_len, vocab_size=info.vocab_size)
 
 
-def load_gateway_model(name: str, max_model_len: int | None, max_num_batched_tokens: int = 8192) -> GatewayModel:
-    from tandem.shared.config import SchedulerConfig
+# A gateway with no --max-model-len caps the context as the workers' engines do by default; the workers' own
+# limits (from Info or the registry) apply on top (`Router.max_model_len`).
+DEFAULT_MAX_MODEL_LEN = 8192
 
+
+def load_gateway_model(name: str, max_model_len: int | None = None) -> GatewayModel:
     config = load_model_config(name)
-    # The same rule as the workers' engines, so the gateway rejects what they would.
-    limit = EngineConfig(model=config, scheduler=SchedulerConfig(
-        max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)).max_model_len
+    limit = max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     return GatewayModel(name=name, config=config, max_model_len=limit, tokenizer=load_tokenizer(config))
 
 
@@ -61,10 +60,12 @@ async def serve(service: ServiceOptions, model: str, prefill: Sequence[str], dec
                 max_model_len: int | None = None, *, max_concurrent_requests: int = 1024,
                 api_keys: frozenset[str] = frozenset()) -> None:
     registry: Registry
+    probe: InfoProbe | None = None
     if service.redis_url:
         registry = RedisRegistry(service.redis_url)
     else:
-        registry = StaticRegistry(prefill, decode, InfoProbe(service.tls))
+        probe = InfoProbe(service.tls)
+        registry = StaticRegistry(prefill, decode, probe)
     await registry.start()
     router = Router(load_gateway_model(model, max_model_len), registry,
                     max_concurrent_requests=max_concurrent_requests, tls=service.tls)
@@ -87,6 +88,8 @@ async def serve(service: ServiceOptions, model: str, prefill: Sequence[str], dec
             await http.stop()
         await router.close()
         await registry.stop()
+        if probe is not None:
+            await probe.channels.close()
 
     await run_service(service, add, cleanup=cleanup, start_http=start_http,
                       interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])

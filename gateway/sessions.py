@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import grpc
 
@@ -30,7 +31,7 @@ class SessionEnded:
     details: str
 
 
-Update = worker_pb2.SessionUpdate | SessionEnded
+Update: TypeAlias = "worker_pb2.SessionUpdate | SessionEnded"
 
 
 class RequestUpdates:

@@ -1,4 +1,5 @@
-"""Fused Triton kernels, each with a pure-torch reference beside it; `get_ops` picks a backend."""
+"""Fused Triton kernels, each with a pure-torch reference beside it; `get_ops` picks a backend. Imports nothing
+of tandem outside this package."""
 
 from tandem.kernels.ops import Ops, get_ops, triton_available
 

@@ -7,24 +7,24 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 import torch
 from opentelemetry import trace
 
+from tandem.common.errors import KVTransportError
+from tandem.engine.engine import Engine, StepResult
+from tandem.engine.request import Request
 from tandem.prefill_svc.tracing import PrefillTraces
-from tandem.shared import metrics
-from tandem.shared.async_engine import AsyncEngine, EngineFailure, TokenEvent
-from tandem.shared.engine.engine import Engine, StepResult
-from tandem.shared.engine.request import Request
-from tandem.shared.errors import KVTransportError
-from tandem.shared.kv_ipc import PoolHandle, copy_layer, open_pool
-from tandem.shared.kv_transfer import PageExporter, check_layout, layout_from_proto, page_bytes
-from tandem.shared.service import worker_info
-from tandem.shared.telemetry import ending, get_tracer
-from tandem.shared.wire import sampling_from_worker
+from tandem.serving import metrics
+from tandem.serving.async_engine import AsyncEngine, TokenEvent
+from tandem.serving.kv_ipc import PoolHandle, copy_layer, open_pool
+from tandem.serving.kv_transfer import PageExporter, check_layout, page_bytes
+from tandem.serving.telemetry import ending, get_tracer
+from tandem.serving.wire import layout_from_proto, sampling_from_worker
+from tandem.serving.worker import worker_info
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -36,13 +36,6 @@ class PagesEvent:
 
     layer: int
     messages: list[worker_pb2.KVPages]
-
-
-@dataclass
-class LayersDoneEvent:
-    """cuda-ipc: the first `num_layers` layers are copied into the receiver's pool (queued on the GPU)."""
-
-    num_layers: int
 
 
 @dataclass
@@ -79,7 +72,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 if target.src_blocks is None:
                     target.src_blocks = torch.tensor(request.block_ids, dtype=torch.int64, device=cache.device)
                 copy_layer(cache, target.src_blocks, target.pool, target.dst_blocks, layer)
-                self.engine.post_event(request.req_id, LayersDoneEvent(layer + 1))
                 continue
             self.exporter.submit(layer, list(request.block_ids),
                                  lambda messages, req_id=request.req_id, layer=layer:
@@ -89,6 +81,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         """Engine thread, after each step that computed something."""
         if result.requests:
             metrics.BATCH_SIZE.observe(len(result.requests))
+            metrics.PREFILL_PROMPT_TOKENS.inc(sum(r.num_tokens for r in result.requests))
             self.traces.on_step(result, seconds)
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
@@ -103,7 +96,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         finally:
             self.traces.forget(request.request_id)
 
-    async def _prefill(self, request: worker_pb2.PrefillRequest) -> AsyncIterator[worker_pb2.PrefillResponse]:
+    async def _prefill(self, request: worker_pb2.PrefillRequest
+                       ) -> AsyncGenerator[worker_pb2.PrefillResponse, None]:
         engine = self.engine.engine
         check_layout(engine.layout, layout_from_proto(request.layout))
         params = sampling_from_worker(request.sampling)
@@ -112,44 +106,39 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
             self._targets[req_id] = self._open_target(request.target, num_tokens)
         start = time.perf_counter()
-        events = self.engine.open_stream(req_id)
         num_bytes = 0
         flushed = False
-        try:
-            prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
-            await self.engine.call(lambda e: e.add_request(req_id, prompt, params, prefill_only=True,
-                                                           output_token_ids=prior))
-            while True:
-                event = await events.get()
-                if isinstance(event, PagesEvent):
-                    for message in event.messages:
-                        num_bytes += page_bytes(message, engine.layout)
-                        yield worker_pb2.PrefillResponse(pages=message)
-                    continue
-                if isinstance(event, LayersDoneEvent):
-                    yield worker_pb2.PrefillResponse(layers_done=worker_pb2.LayersDone(num_layers=event.num_layers))
-                    continue
-                if isinstance(event, EngineFailure):
-                    raise event
-                assert isinstance(event, TokenEvent)
-                if not request.HasField("target") and not flushed:
-                    # The first token can come before the last pages are made: wait for the exporter (its
-                    # pages are queued behind this token then), and take the token again after them.
-                    await asyncio.wrap_future(self.exporter.flush())
-                    flushed = True
-                    events.put_nowait(event)
-                    continue
-                self.traces.first_token(req_id, event, num_bytes, "cuda-ipc" if request.HasField("target") else "grpc")
-                yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
-                    token_id=event.token_ids[-1], logprob=event.logprobs[-1],
-                    prefill_s=time.perf_counter() - start))
-                break
-        finally:
-            self.engine.close_stream(req_id)
-            # The pages are shipped (or the receiver is gone): the blocks are free for the next prompt, and no
-            # later layer is written into the receiver's pool (it calls Release to wait for queued copies).
-            self.engine.post(lambda e: (self._targets.pop(req_id, None), e.release(req_id)))
-            metrics.KV_TRANSFER_BYTES.inc(num_bytes)
+        with self.engine.stream(req_id) as events:
+            try:
+                prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
+                await self.engine.call(lambda e: e.add_request(req_id, prompt, params, prefill_only=True,
+                                                               output_token_ids=prior))
+                while True:
+                    event = await events.next()
+                    if isinstance(event, PagesEvent):
+                        for message in event.messages:
+                            num_bytes += page_bytes(message, engine.layout)
+                            yield worker_pb2.PrefillResponse(pages=message)
+                        continue
+                    assert isinstance(event, TokenEvent)
+                    if not request.HasField("target") and not flushed:
+                        # The first token can come before the last pages are made: wait for the exporter (its
+                        # pages are queued behind this token then), and take the token again after them.
+                        await asyncio.wrap_future(self.exporter.flush())
+                        flushed = True
+                        events.put_back(event)
+                        continue
+                    self.traces.first_token(req_id, event, num_bytes,
+                                            "cuda-ipc" if request.HasField("target") else "grpc")
+                    yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
+                        token_id=event.token_ids[-1], logprob=event.logprobs[-1],
+                        prefill_s=time.perf_counter() - start))
+                    break
+            finally:
+                # The pages are shipped (or the receiver is gone): the blocks are free for the next prompt, and no
+                # later layer is written into the receiver's pool (it calls Release to wait for queued copies).
+                self.engine.post(lambda e: (self._targets.pop(req_id, None), e.release(req_id)))
+                metrics.KV_TRANSFER_BYTES.inc(num_bytes)
 
     def _open_target(self, target: worker_pb2.KVTarget, num_prompt_tokens: int) -> IpcTarget:
         pool = self._pools.get(target.pool_id)

@@ -15,9 +15,9 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Span, SpanKind
 
-from tandem.shared.async_engine import TokenEvent
-from tandem.shared.engine.engine import StepResult
-from tandem.shared.telemetry import extract_context
+from tandem.engine.engine import StepResult
+from tandem.serving.async_engine import TokenEvent
+from tandem.serving.telemetry import extract_context
 
 
 class PrefillTraces:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.shared.models import default_cache_dir, fetch_model
+from tandem.models import default_cache_dir, fetch_model
 
 
 @pytest.fixture(scope="session")

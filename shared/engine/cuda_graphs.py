@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from tandem.shared.engine.runner import DecodeInputs, ModelRunner
+    from tandem.engine.runner import DecodeInputs, ModelRunner
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, max_batch_size: int) -> None:
-        from tandem.shared.engine.runner import DecodeInputs
+        from tandem.engine.runner import DecodeInputs
 
         self.runner = runner
         self.buckets = [b for b in BUCKETS if b <= max_batch_size] or [1]
@@ -42,7 +42,7 @@ class DecodeGraphs:
         return num_seqs <= self.buckets[-1]
 
     def _view(self, size: int) -> DecodeInputs:
-        from tandem.shared.engine.runner import DecodeInputs
+        from tandem.engine.runner import DecodeInputs
 
         s = self.static
         return DecodeInputs(s.input_ids[:size], s.positions[:size], s.slot_mapping[:size],

@@ -6,8 +6,10 @@ One engine serves every role:
 - prefill: `add_request(prefill_only=True)`; the step samples the first token and holds the blocks;
   the service reads the pages (`read_pages`, per layer as they are computed via `on_prefill_layer`)
   and then `release`s the request;
-- decode: `reserve` blocks for a remotely prefilled prompt, `write_pages` as they arrive, then
-  `activate` with the first token; the request joins the running batch.
+- decode: `add_request(remote_prefill=True)`: the scheduler reserves the prompt's blocks when it admits
+  the request (first come, first served, with everything else waiting) and reports it in the step's
+  `reserved`; the service fills them (`write_pages`, or a peer writes them directly), then `activate`s the
+  request with its first token, or gives up and has it computed here (`prefill_locally`).
 """
 
 from __future__ import annotations
@@ -15,27 +17,29 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from tandem.shared.config import EngineConfig
-from tandem.shared.engine.block_pool import BlockPool
-from tandem.shared.engine.kv_cache import KVLayout
-from tandem.shared.engine.request import Request, RequestStatus
-from tandem.shared.engine.runner import ModelRunner
-from tandem.shared.engine.sampling_params import SamplingParams
-from tandem.shared.engine.scheduler import Scheduler, num_blocks_for
-from tandem.shared.errors import InvalidRequestError
+from tandem.common.config import EngineConfig, KVLayout
+from tandem.common.errors import InvalidRequestError
+from tandem.common.sampling_params import SamplingParams
+from tandem.common.validation import validate_prompt
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.runner import ModelRunner
+from tandem.engine.scheduler import Scheduler, num_blocks_for
 
 
 @dataclass
 class StepResult:
-    """Requests that received a token this step (read `output_token_ids`), and those that ended."""
+    """Requests that received a token this step (read `output_token_ids`), those that ended, and those whose
+    blocks were reserved for a remote prefill."""
 
     requests: list[Request]
     finished: list[Request]
     is_prefill: bool
+    reserved: list[Request] = field(default_factory=list)
 
 
 class Engine:
@@ -73,23 +77,8 @@ class Engine:
     # -- admission ----------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError (naming the field) for a request that can never be served."""
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("prompt", "must not be empty")
-        vocab_size = self.config.model.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError("prompt_token_ids",
-                                      f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-        if num_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"is {num_prompt} tokens; the context length is {self.max_model_len} "
-                          f"(prompt plus at least one output token must fit)")
-        if num_prompt + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens", f"{params.max_tokens} plus the {num_prompt}-token prompt exceeds the "
-                              f"context length {self.max_model_len}")
-        needed = num_blocks_for(num_prompt + params.max_tokens, self.config.cache.block_size)
+        validate_prompt(prompt_token_ids, self.config.model.vocab_size, self.max_model_len, params.max_tokens)
+        needed = num_blocks_for(len(prompt_token_ids) + params.max_tokens, self.config.cache.block_size)
         if needed > self.block_pool.num_blocks:
             raise InvalidRequestError(
                 "max_tokens", f"prompt plus max_tokens needs {needed} KV blocks; the pool has "
@@ -115,8 +104,14 @@ class Engine:
                        prefill_only=prefill_only, output_token_ids=outputs, output_logprobs=[0.0] * len(outputs))
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False, output_token_ids: list[int] | None = None) -> Request:
+                    prefill_only: bool = False, output_token_ids: list[int] | None = None, *,
+                    remote_prefill: bool = False, local_prefill_reason: str = "local") -> Request:
+        """Queue a request. `remote_prefill`: its pages will come from a prefill worker (decode role; `params.seed`
+        must be the one that worker samples the first token with). `local_prefill_reason` labels the prompt
+        tokens if they are computed here."""
         request = self.new_request(req_id, prompt_token_ids, params, prefill_only, output_token_ids)
+        request.remote_prefill = remote_prefill
+        request.local_prefill_reason = local_prefill_reason
         self.requests[req_id] = request
         self.scheduler.add(request)
         return request
@@ -132,6 +127,8 @@ class Engine:
         output = self.scheduler.schedule()
         if output is None:
             return StepResult([], [], is_prefill=False)
+        if not output.requests:  # only reservations: nothing to compute
+            return StepResult([], [], is_prefill=False, reserved=output.reserved)
         for request in output.requests:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -146,7 +143,7 @@ class Engine:
         finished = self.scheduler.update_from_output(output, token_ids, logprobs)
         for request in finished:
             self.requests.pop(request.req_id, None)
-        return StepResult(output.requests, finished, output.is_prefill)
+        return StepResult(output.requests, finished, output.is_prefill, output.reserved)
 
     # -- prefill role -----------------------------------------------------------------------------------
     def read_pages(self, request: Request, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,28 +157,27 @@ class Engine:
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     # -- decode role ------------------------------------------------------------------------------------
-    def reserve(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                output_token_ids: list[int] | None = None) -> Request | None:
-        """Hold blocks for a prompt a remote worker prefills; None when they are not free now.
-
-        `params.seed` must be the seed the prefill worker samples the first token with.
-        """
-        request = self.new_request(req_id, prompt_token_ids, params, output_token_ids=output_token_ids)
-        if not self.scheduler.reserve(request):
-            return None
-        self.requests[req_id] = request
-        return request
-
-    def write_pages(self, request: Request, layer: int, block_start: int, k: torch.Tensor,
-                    v: torch.Tensor) -> None:
+    def write_pages(self, req_id: str, layer: int, block_start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Pages of a reserved request, [num_blocks, block_size, Hkv, D] each, into its blocks from `block_start`
+        (an index into the request's own block list). Ignored if the request is gone (aborted meanwhile)."""
+        request = self.requests.get(req_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
+            return
         block_ids = request.block_ids[block_start:block_start + k.shape[0]]
         assert len(block_ids) == k.shape[0], "pages past the reserved blocks"
         self.runner.kv_cache.write_blocks(layer, block_ids, k, v)
 
-    def activate(self, request: Request, first_token_id: int, logprob: float) -> None:
+    def activate(self, req_id: str, first_token_id: int, logprob: float) -> Request:
         """The prompt's pages are in place and its first token known: join the running batch."""
+        request = self.requests[req_id]
         self.scheduler.activate(request)
-        request.num_local_prefill_tokens = 0
         self.scheduler.append_token(request, first_token_id, logprob)
         if request.status.is_finished:
             self.requests.pop(request.req_id, None)
+        return request
+
+    def prefill_locally(self, req_id: str, reason: str) -> None:
+        """The remote prefill of a reserved request failed: compute its prompt here (counted under `reason`)."""
+        request = self.requests.get(req_id)
+        if request is not None and request.status is RequestStatus.WAITING_FOR_KV:
+            self.scheduler.prefill_locally(request, reason)

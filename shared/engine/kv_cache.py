@@ -2,36 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass
-
 import torch
 
-from tandem.shared.config import CacheConfig, ConfigError, ModelConfig
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What a page means: two workers may exchange pages only if their layouts are equal."""
-
-    dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    model_fingerprint: str
-
-    def fingerprint(self) -> str:
-        """Equal for exactly the workers that may exchange pages (same model, dtype and shapes)."""
-        blob = json.dumps(asdict(self), sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-    @property
-    def block_bytes_per_layer(self) -> int:
-        """Bytes of one block's K (or V) in one layer."""
-        itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
-        return self.block_size * self.num_kv_heads * self.head_dim * itemsize
+from tandem.common.config import CacheConfig, ConfigError, KVLayout, ModelConfig
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

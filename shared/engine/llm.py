@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from tandem.shared.config import CacheConfig, EngineConfig, SchedulerConfig
-from tandem.shared.engine.engine import Engine
-from tandem.shared.engine.request import Request, RequestStatus
-from tandem.shared.engine.sampling_params import SamplingParams
-from tandem.shared.errors import InvalidRequestError
-from tandem.shared.models import apply_chat_template, load_model_config, load_tokenizer
+from tandem.common.config import EngineConfig
+from tandem.common.errors import InvalidRequestError
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.engine import Engine
+from tandem.engine.request import Request, RequestStatus
+from tandem.models import apply_chat_template, load_model_config, load_tokenizer
 
 if TYPE_CHECKING:
-    from tandem.shared.detokenizer import IncrementalDetokenizer
+    from tandem.models.detokenizer import IncrementalDetokenizer
 
 Prompt = str | Sequence[int]
 Message = dict[str, str]
@@ -47,14 +47,11 @@ class LLM:
                  gpu_memory_fraction: float = 0.85, use_triton: bool = True, use_cuda_graphs: bool = True,
                  seed: int = 0, cache_dir: Path | None = None) -> None:
         model_config = load_model_config(model, cache_dir=cache_dir)
-        self.config = EngineConfig(
-            model=model_config,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                              gpu_memory_fraction=gpu_memory_fraction),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
-            device=device, dtype=dtype, use_triton=use_triton, use_cuda_graphs=use_cuda_graphs, seed=seed,
-        )
+        self.config = EngineConfig.create(
+            model_config, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            gpu_memory_fraction=gpu_memory_fraction, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, use_triton=use_triton, use_cuda_graphs=use_cuda_graphs,
+            seed=seed)
         self.engine = Engine(self.config)
         self.tokenizer: Any = load_tokenizer(model_config) if model_config.tokenizer_path else None
         self._ids = itertools.count()
@@ -156,7 +153,7 @@ class LLM:
             if params.stop:
                 raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
             return None
-        from tandem.shared.detokenizer import IncrementalDetokenizer
+        from tandem.models.detokenizer import IncrementalDetokenizer
 
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop,
                                       skip_special_tokens=params.skip_special_tokens)

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tandem.common.config import ModelConfig
+from tandem.engine.attention import AttentionMetadata
 from tandem.kernels import Ops
-from tandem.shared.config import ModelConfig
-from tandem.shared.engine.attention import AttentionMetadata
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 

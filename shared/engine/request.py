@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from tandem.shared.engine.sampling_params import SamplingParams
+from tandem.common.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -42,8 +42,18 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
-    # Tokens prefilled by this engine (not received from a remote prefill worker).
-    num_local_prefill_tokens: int = 0
+    # Decode role: the prompt's pages come from a prefill worker (blocks are reserved on admission, then
+    # written by the transfer); False once the request is to be computed here instead.
+    remote_prefill: bool = False
+    # Why the next prefill of this request, if it is computed here, happens here (a metric label): "local"
+    # (colocated), or what the service or scheduler set ("no_prefill_worker", "transfer_failed", "preemption").
+    local_prefill_reason: str = "local"
+    # Prompt tokens this engine computed for the request, by reason (not those received from a prefill worker).
+    local_prefill_tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_local_prefill_tokens(self) -> int:
+        return sum(self.local_prefill_tokens.values())
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from tandem.shared.config import RopeConfig
+from tandem.common.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -11,19 +11,19 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from tandem.common.config import EngineConfig
+from tandem.engine.attention import AttentionMetadata
+from tandem.engine.cuda_graphs import DecodeGraphs
+from tandem.engine.kv_cache import KVCache, num_blocks_to_allocate
+from tandem.engine.model import LlamaForCausalLM
+from tandem.engine.request import Request
+from tandem.engine.rope import cos_sin_cache
+from tandem.engine.sampler import SamplingTensors, sample
+from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.weights import load_weights
 from tandem.kernels import Ops, get_ops, triton_available
 from tandem.kernels.cpu_linear import pack_linears
 from tandem.kernels.paged_decode_attention import choose_num_splits
-from tandem.shared.config import EngineConfig
-from tandem.shared.engine.attention import AttentionMetadata
-from tandem.shared.engine.cuda_graphs import DecodeGraphs
-from tandem.shared.engine.kv_cache import KVCache, num_blocks_to_allocate
-from tandem.shared.engine.model import LlamaForCausalLM
-from tandem.shared.engine.request import Request
-from tandem.shared.engine.rope import cos_sin_cache
-from tandem.shared.engine.sampler import SamplingTensors, sample
-from tandem.shared.engine.scheduler import SchedulerOutput
-from tandem.shared.engine.weights import load_weights
 
 
 @dataclass
@@ -48,7 +48,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, ops: Ops | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = config.torch_dtype
+        self.dtype: torch.dtype = getattr(torch, config.resolved_dtype)
         self.ops = ops or select_ops(config)
         model_config = config.model
         with torch.device(self.device):

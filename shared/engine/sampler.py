@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.shared.engine.request import Request
+from tandem.engine.request import Request
 
 _MASK64 = (1 << 64) - 1
 

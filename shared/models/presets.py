@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tandem.shared.config import ConfigError, ModelConfig, RopeConfig
+from tandem.common.config import ConfigError, ModelConfig, RopeConfig
 
 DUMMY_PREFIX = "dummy:"
 

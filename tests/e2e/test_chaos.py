@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from tandem.v1 import generation_pb2, generation_pb2_grpc
 from tests.e2e.test_stack import RunningStack, _alive, start_stack
+from tests.metrics_text import scrape_total
 from tests.redis_server import RedisServer, find_redis_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -144,10 +145,7 @@ def gateway_resumes(stack: RunningStack) -> int:
 
 
 def scrape(http: str, name: str) -> float:
-    import urllib.request
-
-    text = urllib.request.urlopen(http + "/metrics", timeout=5).read().decode()
-    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
+    return scrape_total(http, name)
 
 
 def check_invariants(stack: RunningStack, scenario: str, outcomes: list[Outcome], expected: dict[int, list[int]],

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.launcher import free_port
 from tandem.v1 import generation_pb2, generation_pb2_grpc
+from tests.metrics_text import scrape_total
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -33,6 +33,7 @@ PROMPTS = [
 MAX_TOKENS = 24
 
 
+
 class RunningStack:
     def __init__(self, process: subprocess.Popen[bytes], status: dict[str, list[dict[str, object]]]) -> None:
         self.process = process
@@ -42,12 +43,7 @@ class RunningStack:
         return str(next(s for s in self.services if s["role"] == role)["grpc"])
 
     def metric(self, role: str, name: str) -> float:
-        url = str(next(s for s in self.services if s["role"] == role)["http"]) + "/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        for line in text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise AssertionError(f"{name} not exported by {role}")
+        return scrape_total(str(next(s for s in self.services if s["role"] == role)["http"]), name)
 
 
 def start_stack(tmp_path: Path, *extra: str, model: str = "smollm2-135m", num_prefill: int = 1,

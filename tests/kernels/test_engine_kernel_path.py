@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
+from tandem.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.engine import Engine
+from tandem.engine.runner import ModelRunner
 from tandem.kernels import Ops, get_ops, triton_available
-from tandem.shared.config import CacheConfig, EngineConfig, SchedulerConfig
-from tandem.shared.engine.engine import Engine
-from tandem.shared.engine.runner import ModelRunner
-from tandem.shared.engine.sampling_params import SamplingParams
-from tandem.shared.models import load_model_config
+from tandem.models import load_model_config
 
 OPS = [f.name for f in dataclasses.fields(Ops) if f.name != "name"]
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from tandem.common.config import RopeConfig
+from tandem.engine.rope import cos_sin_cache
 from tandem.kernels.rotary_embedding import rotary_embedding_ref, rotary_embedding_triton
-from tandem.shared.config import RopeConfig
-from tandem.shared.engine.rope import cos_sin_cache
 
 LLAMA3_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, original_max_position_embeddings=64)
 

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.decode_svc.server import create_servicer
 from tandem.decode_svc.servicer import DecodeServicer
+from tandem.engine.engine import Engine
+from tandem.models import load_model_config
 from tandem.prefill_svc.servicer import PrefillServicer
-from tandem.shared.async_engine import AsyncEngine
-from tandem.shared.config import CacheConfig, EngineConfig, SchedulerConfig
-from tandem.shared.engine.engine import Engine
-from tandem.shared.kv_transfer import layout_to_proto
-from tandem.shared.models import load_model_config
-from tandem.shared.rpc import make_channel, start_server
-from tandem.shared.wire import sampling_to_worker
+from tandem.serving.async_engine import AsyncEngine
+from tandem.serving.rpc import make_channel, start_server
+from tandem.serving.wire import layout_to_proto, sampling_to_worker
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tests.factories import prompts_for
 
@@ -44,7 +44,7 @@ async def start_worker(role: str, config: EngineConfig) -> Worker:
         servicer = PrefillServicer(engine, "test")
         add = worker_pb2_grpc.add_PrefillServicer_to_server
     else:
-        servicer = DecodeServicer(engine, "test")
+        servicer = create_servicer(engine, "test")
         add = worker_pb2_grpc.add_DecodeServicer_to_server
 
     def register(server: grpc.aio.Server) -> list[str]:
@@ -95,9 +95,9 @@ async def test_pages_land_bit_identical_in_the_decode_pool(workers: tuple[Worker
     engine = decode.engine.engine
     activate = engine.activate
 
-    def capture_then_activate(request, token_id: int, logprob: float) -> None:  # type: ignore[no-untyped-def]
-        landed.append([engine.read_pages(request, layer) for layer in range(2)])
-        activate(request, token_id, logprob)
+    def capture_then_activate(req_id: str, token_id: int, logprob: float):  # type: ignore[no-untyped-def]
+        landed.append([engine.read_pages(engine.requests[req_id], layer) for layer in range(2)])
+        return activate(req_id, token_id, logprob)
 
     engine.activate = capture_then_activate  # type: ignore[method-assign]
     tokens, local = await generate(decode, decode_request("r1", prompt, prefill.address))

@@ -12,12 +12,11 @@ import torch
 from google.protobuf.internal import encoder
 
 from tandem import SamplingParams
-from tandem.shared.engine.kv_cache import KVLayout
-from tandem.shared.errors import KVTransportError
-from tandem.shared.kv_ipc import IPC_HANDLE_SIZE, PoolHandle, check_pool_handle
-from tandem.shared.kv_transfer import layout_to_proto
-from tandem.shared.rpc import make_channel
-from tandem.shared.wire import sampling_to_worker
+from tandem.common.config import KVLayout
+from tandem.common.errors import KVTransportError
+from tandem.serving.kv_ipc import IPC_HANDLE_SIZE, PoolHandle, check_pool_handle
+from tandem.serving.rpc import make_channel
+from tandem.serving.wire import layout_to_proto, sampling_to_worker
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tests.services.test_disaggregated import Worker
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import pytest
 import redis.asyncio as aioredis
 
-from tandem.shared.errors import UnavailableError
-from tandem.shared.registry import RedisRegistry, StaticRegistry, WorkerRecord, pick_pair
+from tandem.common.errors import UnavailableError
+from tandem.serving.registry import RedisRegistry, StaticRegistry, WorkerRecord, pick_pair
 
 if TYPE_CHECKING:
     from tests.redis_server import RedisServer
@@ -46,7 +46,7 @@ async def wait_until(condition: Callable[[], Awaitable[bool]], timeout_s: float,
 
 
 async def worker_ids(registry: RedisRegistry, role: str) -> set[str]:
-    return {w.worker_id for w in await registry.workers(role)}
+    return {w.worker_id for w in registry.workers(role)}
 
 
 def redis_registry(server: RedisServer) -> RedisRegistry:
@@ -83,14 +83,14 @@ async def test_readers_see_registered_workers_and_their_load(redis_server: Redis
     try:
         assert await worker_ids(reader, "prefill") == {"p0"}
         assert await worker_ids(reader, "decode") == {"d0"}
-        (seen,) = await reader.workers("decode")
+        (seen,) = reader.workers("decode")
         assert seen.model == "smollm2-135m" and seen.fingerprint == "fp" and seen.num_free_blocks == 100
         assert abs(seen.updated_at - time.time()) < 5, "the heartbeat stamps the record"
 
         decode_load["queue"] = 7  # the heartbeat republishes the provider's current numbers
 
         async def sees_new_load() -> bool:
-            return [w.queue_depth for w in await reader.workers("decode")] == [7]
+            return [w.queue_depth for w in reader.workers("decode")] == [7]
 
         await wait_until(sees_new_load, TTL_S * 2, "the new queue depth")
     finally:
@@ -130,7 +130,7 @@ async def test_deregister_removes_the_worker_at_once(redis_server: RedisServer) 
         assert not await check.exists("test:worker:d0"), "the key is deleted, not left to lapse"
         await check.aclose()
         assert await reader.refresh()
-        assert await reader.workers("decode") == []
+        assert reader.workers("decode") == []
     finally:
         for registry in (worker, reader):
             await registry.stop()
@@ -169,7 +169,7 @@ async def test_redis_down_at_start_is_not_fatal(redis_server: RedisServer) -> No
     await worker.register(lambda: record("d0"))
     await reader.start()
     try:
-        assert await reader.workers("decode") == []
+        assert reader.workers("decode") == []
         redis_server.start()
 
         async def seen() -> bool:
@@ -201,9 +201,9 @@ async def test_reader_ignores_malformed_keys(redis_server: RedisServer) -> None:
 async def test_static_registry_without_probe_lists_the_addresses() -> None:
     registry = StaticRegistry(["127.0.0.1:1"], ["127.0.0.1:2", "127.0.0.1:3"])
     await registry.start()
-    assert [w.address for w in await registry.workers("prefill")] == ["127.0.0.1:1"]
-    assert [w.address for w in await registry.workers("decode")] == ["127.0.0.1:2", "127.0.0.1:3"]
-    assert all(w.fingerprint == "" for w in await registry.workers("decode"))
+    assert [w.address for w in registry.workers("prefill")] == ["127.0.0.1:1"]
+    assert [w.address for w in registry.workers("decode")] == ["127.0.0.1:2", "127.0.0.1:3"]
+    assert all(w.fingerprint == "" for w in registry.workers("decode"))
     await registry.stop()
 
 
@@ -222,18 +222,18 @@ async def test_static_registry_probe_refreshes_load_and_marks_workers_down() -> 
     registry = StaticRegistry(["127.0.0.1:1"], ["127.0.0.1:2"], probe, refresh_s=60.0)
     await registry.start()
     try:
-        assert [w.queue_depth for w in await registry.workers("prefill")] == [2]
-        assert [w.fingerprint for w in await registry.workers("decode")] == ["fp"]
+        assert [w.queue_depth for w in registry.workers("prefill")] == [2]
+        assert [w.fingerprint for w in registry.workers("decode")] == ["fp"]
 
         answers["127.0.0.1:1"] = None
         answers["127.0.0.1:2"] = ConnectionRefusedError()
         await registry.refresh()
-        assert await registry.workers("prefill") == [] and await registry.workers("decode") == []
+        assert registry.workers("prefill") == [] and registry.workers("decode") == []
 
         answers["127.0.0.1:2"] = replace(record("d", "decode"), address="127.0.0.1:2", num_free_blocks=5)
         await registry.refresh()
-        assert [w.num_free_blocks for w in await registry.workers("decode")] == [5]
-        assert await registry.workers("prefill") == []
+        assert [w.num_free_blocks for w in registry.workers("decode")] == [5]
+        assert registry.workers("prefill") == []
     finally:
         await registry.stop()
 
@@ -245,7 +245,7 @@ async def test_static_registry_hung_probe_counts_as_down() -> None:
 
     registry = StaticRegistry([], ["127.0.0.1:2"], probe, probe_timeout_s=0.05)
     await registry.start()
-    assert await registry.workers("decode") == []
+    assert registry.workers("decode") == []
     await registry.stop()
 
 

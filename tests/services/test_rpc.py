@@ -10,8 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tandem.shared.errors import InvalidRequestError, LayoutMismatchError, OverloadedError, UnavailableError
-from tandem.shared.rpc import make_channel, start_server, stop_server
+from tandem.common.errors import InvalidRequestError, LayoutMismatchError, OverloadedError, UnavailableError
+from tandem.serving.rpc import make_channel, start_server, stop_server
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 _BIG = 10 * 1024 * 1024  # over gRPC's default 4 MiB receive limit

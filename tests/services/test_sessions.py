@@ -12,7 +12,7 @@ import grpc
 
 from tandem.decode_svc.servicer import DecodeServicer
 from tandem.gateway.sessions import DecodeSession, RequestUpdates, SessionEnded, Update
-from tandem.shared.rpc import make_channel
+from tandem.serving.rpc import make_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tests.factories import prompts_for
 from tests.services.test_disaggregated import Worker, decode_request, reference_tokens

@@ -9,11 +9,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tandem.decode_svc.servicer import DecodeServicer
+from tandem.decode_svc.server import create_servicer
+from tandem.engine.engine import Engine
 from tandem.prefill_svc.servicer import PrefillServicer
-from tandem.shared.async_engine import AsyncEngine
-from tandem.shared.engine.engine import Engine
-from tandem.shared.rpc import TlsConfig, make_channel, start_server
+from tandem.serving.async_engine import AsyncEngine
+from tandem.serving.rpc import TlsConfig, make_channel, start_server
 from tandem.v1 import worker_pb2_grpc
 from tests.factories import prompts_for, save_random_hf_model
 from tests.services.test_disaggregated import decode_request, engine_config, reference_tokens
@@ -47,7 +47,7 @@ async def test_mutual_tls_between_decode_and_prefill(pki: Path, tmp_path: Path) 
     tls = TlsConfig(str(pki / "svc.pem"), str(pki / "svc.key"), str(pki / "ca.pem"))
     engines = [AsyncEngine(Engine(engine_config(tmp_path)), name=f"tls-{i}") for i in range(2)]
     prefill = PrefillServicer(engines[0], "test")
-    decode = DecodeServicer(engines[1], "test", tls=tls)
+    decode = create_servicer(engines[1], "test", tls=tls)
     servers = []
     try:
         addresses = []

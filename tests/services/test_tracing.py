@@ -17,17 +17,19 @@ import grpc
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
+from tandem.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.decode_svc.server import create_servicer
 from tandem.decode_svc.servicer import DecodeServicer
+from tandem.engine.engine import Engine
+from tandem.gateway.router import Router
 from tandem.gateway.server import load_gateway_model
-from tandem.gateway.servicer import GenerationServicer, Router
+from tandem.gateway.servicer import GenerationServicer
+from tandem.models import load_model_config
 from tandem.prefill_svc.servicer import PrefillServicer
-from tandem.shared.async_engine import AsyncEngine
-from tandem.shared.config import CacheConfig, EngineConfig, SchedulerConfig
-from tandem.shared.engine.engine import Engine
-from tandem.shared.models import load_model_config
-from tandem.shared.registry import StaticRegistry
-from tandem.shared.rpc import make_channel, start_server
-from tandem.shared.telemetry import SERVICE_NAMES, TRACER_NAMES, exporter_from_env, make_tracer_provider
+from tandem.serving.async_engine import AsyncEngine
+from tandem.serving.registry import StaticRegistry
+from tandem.serving.rpc import make_channel, start_server
+from tandem.serving.telemetry import SERVICE_NAMES, TRACER_NAMES, exporter_from_env, make_tracer_provider
 from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
@@ -69,7 +71,7 @@ async def start_stack(receiver: OtlpReceiver, prefill_address: str | None) -> tu
             servicer = PrefillServicer(engine, MODEL, tracer=tracer)
             add, name = worker_pb2_grpc.add_PrefillServicer_to_server, "tandem.v1.Prefill"
         else:
-            servicer = DecodeServicer(engine, MODEL, tracer=tracer)
+            servicer = create_servicer(engine, MODEL, tracer=tracer)
             add, name = worker_pb2_grpc.add_DecodeServicer_to_server, "tandem.v1.Decode"
 
         def register(server: grpc.aio.Server, servicer: object = servicer, add: object = add,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from tandem.shared.detokenizer import IncrementalDetokenizer
+from tandem.models.detokenizer import IncrementalDetokenizer
 
 PROMPT = "Write one sentence."
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.shared.config import ConfigError
-from tandem.shared.errors import InvalidRequestError
+from tandem.common.config import ConfigError
+from tandem.common.errors import InvalidRequestError
 from tests.factories import hf_greedy, prompts_for, save_random_hf_model
 
 
@@ -38,7 +38,7 @@ def test_random_llama_matches_hf_greedy(tmp_path: Path, rope: str) -> None:
 
 
 def test_tied_embeddings_and_dummy_tiny_shape(tmp_path: Path) -> None:
-    from tandem.shared.models import load_model_config
+    from tandem.models import load_model_config
 
     tiny = load_model_config("dummy:tiny", fetch=False)
     hf = save_random_hf_model(

@@ -13,10 +13,11 @@ import httpx2
 import openai
 import pytest
 
+from tandem.common.errors import InvalidRequestError, UnavailableError
+from tandem.common.sampling_params import SamplingParams
 from tandem.gateway.http_api import create_app
-from tandem.gateway.servicer import Completion, GatewayModel, Router
-from tandem.shared.engine.sampling_params import SamplingParams
-from tandem.shared.errors import InvalidRequestError, UnavailableError
+from tandem.gateway.router import Completion, GatewayModel, Router
+from tandem.serving.registry import WorkerRecord
 
 MODEL = "fake-model"
 # The fake model's output: one character per token, cycling through this text.
@@ -42,8 +43,10 @@ class FakeRegistry:
     def __init__(self) -> None:
         self.num_decode = 1
 
-    async def workers(self, role: str) -> list[object]:
-        return [object()] * (self.num_decode if role == "decode" else 0)
+    def workers(self, role: str) -> list[WorkerRecord]:
+        record = WorkerRecord(role="decode", address="fake:1", model=MODEL, fingerprint="", num_free_blocks=1,
+                              num_total_blocks=1, queue_depth=0, worker_id="fake", updated_at=0.0)
+        return [record] * (self.num_decode if role == "decode" else 0)
 
 
 class FakeRouter(Router):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.shared.kv_ipc import CUDA_IPC, GRPC, choose_transport
+from tandem.serving.kv_ipc import CUDA_IPC, GRPC, choose_transport
 
 BOTH = [GRPC, CUDA_IPC]
 

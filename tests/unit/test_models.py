@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tandem.shared.config import ConfigError, RopeConfig
-from tandem.shared.models import (
+from tandem.common.config import ConfigError, RopeConfig
+from tandem.models import (
     DUMMY_SHAPES,
     apply_chat_template,
     dummy_config,
@@ -19,7 +19,7 @@ from tandem.shared.models import (
     load_model_config,
     load_tokenizer,
 )
-from tandem.shared.models import fetch as fetch_module
+from tandem.models import fetch as fetch_module
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

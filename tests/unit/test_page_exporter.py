@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from tandem.shared.kv_transfer import PageExporter, pages_to_messages
+from tandem.serving.kv_transfer import PageExporter, pages_to_messages
 from tandem.v1 import worker_pb2
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

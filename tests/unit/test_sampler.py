@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tandem.shared.engine.request import Request
-from tandem.shared.engine.sampler import SamplingTensors, sample, splitmix64, uniform_noise
-from tandem.shared.engine.sampling_params import SamplingParams
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.request import Request
+from tandem.engine.sampler import SamplingTensors, sample, splitmix64, uniform_noise
 
 
 def request(seed: int = 0, num_outputs: int = 0, **kw: object) -> Request:

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.shared.config import SchedulerConfig
-from tandem.shared.engine.block_pool import BlockPool
-from tandem.shared.engine.request import Request, RequestStatus
-from tandem.shared.engine.sampling_params import SamplingParams
-from tandem.shared.engine.scheduler import Scheduler, num_blocks_for
+from tandem.common.config import SchedulerConfig
+from tandem.common.sampling_params import SamplingParams
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.scheduler import Scheduler, num_blocks_for
 
 EOS = 2
 BLOCK = 4
@@ -118,7 +118,9 @@ def test_finish_frees_blocks_in_every_state() -> None:
     run_step(scheduler)
     scheduler.add(waiting)
     receiving = make_request("k", 5)
-    assert scheduler.reserve(receiving)
+    receiving.remote_prefill = True
+    scheduler.add(receiving)
+    assert scheduler.schedule().reserved == [receiving]  # type: ignore[union-attr]
     prefilled = make_request("p", 3)
     prefilled.prefill_only = True
     scheduler.add(prefilled)

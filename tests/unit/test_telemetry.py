@@ -7,8 +7,8 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-from tandem.shared.config import ConfigError
-from tandem.shared.telemetry import exporter_from_env, extract_context, inject_metadata
+from tandem.common.config import ConfigError
+from tandem.serving.telemetry import exporter_from_env, extract_context, inject_metadata
 
 ENDPOINT = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from tandem.shared.engine.kv_cache import KVLayout
-from tandem.shared.errors import KVTransportError
+from tandem.common.config import KVLayout
+from tandem.common.errors import KVTransportError
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)

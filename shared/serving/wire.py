@@ -1,14 +1,13 @@
-"""Sampling parameters across the wire: public proto → engine params → worker proto and back.
-
-Defaults live in one place, `SamplingParams`; an unset optional proto field takes it.
-"""
+"""Values across the wire: sampling parameters (public proto → engine params → worker proto and back), finish
+reasons and KV layouts. Defaults live in one place, `SamplingParams`; an unset optional proto field takes it."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import replace
 
-from tandem.shared.engine.sampling_params import SamplingParams
+from tandem.common.config import KVLayout
+from tandem.common.sampling_params import SamplingParams
 from tandem.v1 import generation_pb2, worker_pb2
 
 _FINISH_REASONS = {
@@ -65,3 +64,15 @@ def sampling_from_worker(message: worker_pb2.WorkerSamplingParams) -> SamplingPa
     return SamplingParams(max_tokens=message.max_tokens, temperature=message.temperature, top_p=message.top_p,
                           top_k=message.top_k, seed=message.seed, stop_token_ids=tuple(message.stop_token_ids),
                           ignore_eos=message.ignore_eos)
+
+
+def layout_to_proto(layout: KVLayout) -> worker_pb2.KVLayout:
+    return worker_pb2.KVLayout(dtype=layout.dtype, block_size=layout.block_size, num_layers=layout.num_layers,
+                               num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                               model_fingerprint=layout.model_fingerprint)
+
+
+def layout_from_proto(message: worker_pb2.KVLayout) -> KVLayout:
+    return KVLayout(dtype=message.dtype, block_size=message.block_size, num_layers=message.num_layers,
+                    num_kv_heads=message.num_kv_heads, head_dim=message.head_dim,
+                    model_fingerprint=message.model_fingerprint)

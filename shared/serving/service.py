@@ -1,7 +1,5 @@
-"""What every service process shares: options, engine construction, registry, metrics, drain.
-
-The services themselves (prefill_svc, decode_svc, gateway) stay thin: convert, call, convert back.
-"""
+"""What every service process shares: where it listens, tracing, `/metrics`, Redis registration, drain on
+SIGTERM. No torch here: the gateway runs on it too (the workers' engine side is `tandem.serving.worker`)."""
 
 from __future__ import annotations
 
@@ -9,22 +7,16 @@ import asyncio
 import logging
 import signal
 import socket
-import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 
-from tandem.shared import metrics
-from tandem.shared.async_engine import AsyncEngine
-from tandem.shared.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
-from tandem.shared.kv_ipc import gpu_uuid, transports_of
-from tandem.shared.kv_transfer import layout_to_proto
-from tandem.shared.registry import RedisRegistry, WorkerRecord
-from tandem.shared.rpc import AddServicers, TlsConfig, start_server, stop_server
-from tandem.shared.telemetry import SERVICE_NAMES, setup_tracing
-from tandem.v1 import worker_pb2
+from tandem.common.config import ConfigError
+from tandem.serving import metrics
+from tandem.serving.registry import RedisRegistry, WorkerRecord
+from tandem.serving.rpc import AddServicers, TlsConfig, start_server, stop_server
+from tandem.serving.telemetry import SERVICE_NAMES, setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -57,38 +49,6 @@ class ServiceOptions:
             return self.advertise
         host = socket.gethostname() if self.host in ("0.0.0.0", "::", "[::]") else self.host
         return f"{host}:{bound_port}"
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Engine flags shared by the prefill and decode commands."""
-
-    model: str
-    device: str = "cpu"
-    dtype: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    gpu_memory_fraction: float = 0.85
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    use_triton: bool = True
-    use_cuda_graphs: bool = True
-
-
-def build_engine_config(options: EngineOptions) -> EngineConfig:
-    from tandem.shared.models import load_model_config
-
-    return EngineConfig(
-        model=load_model_config(options.model),
-        cache=CacheConfig(block_size=options.block_size, num_blocks=options.num_kv_blocks,
-                          gpu_memory_fraction=options.gpu_memory_fraction),
-        scheduler=SchedulerConfig(max_num_seqs=options.max_num_seqs,
-                                  max_num_batched_tokens=options.max_num_batched_tokens,
-                                  max_model_len=options.max_model_len),
-        device=options.device, dtype=options.dtype, use_triton=options.use_triton,
-        use_cuda_graphs=options.use_cuda_graphs,
-    )
 
 
 async def run_service(options: ServiceOptions, add_servicers: AddServicers,
@@ -143,33 +103,3 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
     if tracer_provider is not None:
         tracer_provider.shutdown()  # exports the spans still queued
 
-
-def new_worker_id(role: str) -> str:
-    return f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
-
-
-def is_unreachable(error: grpc.aio.AioRpcError) -> bool:
-    """Errors after which another worker (or a local fallback) may succeed."""
-    return error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                            grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-                            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.CANCELLED)
-
-
-def worker_info(async_engine: AsyncEngine, role: str, model_name: str) -> worker_pb2.WorkerInfo:
-    """The `Info` answer of a prefill or decode worker (read between steps; counts may lag by one)."""
-    engine = async_engine.engine
-    return worker_pb2.WorkerInfo(
-        role=role, model=model_name, layout=layout_to_proto(engine.layout),
-        num_free_blocks=engine.num_free_blocks, num_total_blocks=engine.num_total_blocks,
-        queue_depth=engine.scheduler.num_queued, num_running=len(engine.scheduler.running),
-        max_model_len=engine.max_model_len, vocab_size=engine.config.model.vocab_size,
-        gpu_uuid=gpu_uuid(engine.runner.device), kv_transports=transports_of(engine.runner.device))
-
-
-def worker_record(async_engine: AsyncEngine, role: str, model_name: str, worker_id: str,
-                  address: str) -> WorkerRecord:
-    """What this worker advertises in the registry."""
-    engine = async_engine.engine
-    return WorkerRecord(role=role, address=address, model=model_name, fingerprint=engine.layout.fingerprint(),
-                        num_free_blocks=engine.num_free_blocks, num_total_blocks=engine.num_total_blocks,
-                        queue_depth=engine.scheduler.num_queued, worker_id=worker_id, updated_at=time.time())

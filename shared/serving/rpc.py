@@ -1,6 +1,7 @@
-"""gRPC transport helpers shared by the services: server setup, the error-to-status mapping, channels.
+"""gRPC plumbing shared by the services: server setup, the one error ↔ status mapping (typed errors cross a
+hop as themselves), the codes after which another worker may succeed, and a channel pool.
 
-This is the only module of `tandem.shared` that imports grpc; the engine core never does.
+The engine core never imports grpc; the services do, through this module.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.shared.config import ConfigError
-from tandem.shared.errors import (
+from tandem.common.config import ConfigError
+from tandem.common.errors import (
     DeadlineExceededError,
     InvalidRequestError,
     KVTransportError,
@@ -27,6 +28,7 @@ from tandem.shared.errors import (
     OverloadedError,
     TandemError,
     UnavailableError,
+    error_type,
 )
 
 log = logging.getLogger(__name__)
@@ -50,16 +52,47 @@ _STATUS_OF_ERROR: tuple[tuple[type[TandemError], grpc.StatusCode], ...] = (
     (KVTransportError, grpc.StatusCode.FAILED_PRECONDITION),
 )
 
+# Codes that mean the peer failed, not the request: another worker (or a local fallback) may succeed. A
+# deadline is the request's own, and a refusal (INVALID_ARGUMENT, FAILED_PRECONDITION, ...) would repeat.
+PEER_FAILURE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                                grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED})
+# Trailing metadata naming the TandemError class a call ended with.
+_ERROR_TYPE_KEY = "tandem-error"
+
 AddServicers = Callable[[grpc.aio.Server], Iterable[str]]
 _Behavior = TypeVar("_Behavior", bound=Callable[..., Any])
 
 
 def status_of(error: TandemError) -> grpc.StatusCode:
     """The gRPC status code a tandem error is reported with (INTERNAL for an unmapped subclass)."""
-    for error_type, code in _STATUS_OF_ERROR:
-        if isinstance(error, error_type):
+    for cls, code in _STATUS_OF_ERROR:
+        if isinstance(error, cls):
             return code
     return grpc.StatusCode.INTERNAL
+
+
+def is_peer_failure(error: grpc.aio.AioRpcError) -> bool:
+    return error.code() in PEER_FAILURE_CODES
+
+
+def remote_error(error: grpc.aio.AioRpcError) -> TandemError | None:
+    """The typed error a tandem server ended the call with (its class travels in trailing metadata), or None
+    for any other failure (a dead peer, a bug, a non-tandem server)."""
+    metadata = error.trailing_metadata() or ()
+    name = next((value for key, value in metadata if key == _ERROR_TYPE_KEY), None)
+    return typed_error(name if isinstance(name, str) else "", error.details() or "")
+
+
+def typed_error(type_name: str, details: str) -> TandemError | None:
+    """Rebuild a TandemError from its class name and message (as `remote_error` and session updates carry
+    them); None when the name is not one."""
+    cls = error_type(type_name) if type_name else None
+    if cls is None:
+        return None
+    if cls is InvalidRequestError:
+        field, _, message = details.partition(": ")
+        return InvalidRequestError(field, message)
+    return cls(details)
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: TandemError) -> None:
@@ -67,7 +100,7 @@ async def _abort(context: grpc.aio.ServicerContext, error: TandemError) -> None:
     if code == grpc.StatusCode.INTERNAL:
         log.error("unmapped %s: %s", type(error).__name__, error)
     # str(InvalidRequestError) is "field: message", so the client learns which field to fix.
-    await context.abort(code, str(error))
+    await context.abort(code, str(error), trailing_metadata=((_ERROR_TYPE_KEY, type(error).__name__),))
 
 
 def map_errors(behavior: _Behavior) -> _Behavior:
@@ -218,6 +251,25 @@ def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTE
     if tls is not None:
         return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
     return grpc.aio.insecure_channel(address, options=options)
+
+
+class ChannelPool:
+    """One channel per peer address, made on first use and kept (a channel reconnects by itself)."""
+
+    def __init__(self, tls: TlsConfig | None = None) -> None:
+        self.tls = tls
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = make_channel(address, tls=self.tls)
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,14 @@ KV_TRANSFER_BYTES = Counter("tandem_kv_transfer_bytes", "KV page bytes shipped o
 KV_TRANSFER_SECONDS = Histogram("tandem_kv_transfer_seconds", "Time to move one request's KV pages",
                                 buckets=_LATENCY_BUCKETS)
 KV_TRANSFER_FAILURES = Counter("tandem_kv_transfer_failures", "KV transfers that failed")
+KV_INTEGRITY_FAILURES = Counter("tandem_kv_integrity_failures",
+                                "KV page messages refused for a checksum or size mismatch (never written)")
 LOCAL_PREFILL_TOKENS = Counter("tandem_decode_local_prefill_tokens",
-                               "Prompt tokens a decode worker prefilled itself (no prefill worker)")
+                               "Prompt tokens a decode worker computed itself, by why (no_prefill_worker, "
+                               "transfer_failed, transfer_refused, unknown_prefill_worker, preemption)", ["reason"])
+PREFILL_PROMPT_TOKENS = Counter("tandem_prefill_prompt_tokens", "Prompt tokens a prefill worker computed")
+WORKERS_REFUSED = Gauge("tandem_gateway_workers_refused",
+                        "Workers the gateway refuses because they serve another model")
 BATCH_SIZE = Histogram("tandem_batch_size", "Requests per engine step",
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 

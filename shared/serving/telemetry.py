@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Span, Status, StatusCode
 
-from tandem.shared.config import ConfigError
+from tandem.common.config import ConfigError
 
 # `service.name` of each role, as Jaeger lists them.
 SERVICE_NAMES = {"gateway": "tandem-gateway", "prefill": "tandem-prefill", "decode": "tandem-decode"}

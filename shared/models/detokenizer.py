@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from tandem.models.tokenizer import Tokenizer
+
 # Prompt tokens decoded ahead of the output: enough for the tokenizer to render the first output token
 # as it would mid-text (a SentencePiece decoder drops the leading space of a text's first token).
 _NUM_CONTEXT_TOKENS = 5
@@ -35,7 +37,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Tokenizer | PreTrainedTokenizerBase,
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,

@@ -9,17 +9,18 @@ event loop keeps serving gRPC streams during a step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tandem.shared.engine.engine import Engine, StepResult
-from tandem.shared.engine.request import Request
-from tandem.shared.errors import UnavailableError
+from tandem.common.errors import UnavailableError
+from tandem.engine.engine import Engine, StepResult
+from tandem.engine.request import Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,7 +42,8 @@ class TokenEvent:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str | None = None
-    num_local_prefill_tokens: int = 0
+    # Prompt tokens this engine computed for the request since its previous event, by reason.
+    local_prefill_tokens: dict[str, int] = field(default_factory=dict)
     # Requests in the engine step that produced these tokens, and its wall time (0: not from a step,
     # e.g. the first token a remote prefill worker sampled).
     batch_size: int = 0
@@ -51,13 +53,34 @@ class TokenEvent:
 
 
 @dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue[Any]
-    num_sent: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+class ReservedEvent:
+    """Decode role: the scheduler admitted a remote-prefill request and reserved its blocks."""
+
+    block_ids: list[int]
+
+
+class RequestStream:
+    """One request's events from the engine thread (TokenEvent, ReservedEvent, or what a hook posts), in
+    order. `next()` raises the EngineFailure of a failed step instead of returning it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, num_sent: int) -> None:
+        self.loop = loop
+        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.num_sent = num_sent  # output tokens already delivered (or already with the client)
+        self.local_prefill_sent: dict[str, int] = {}
+
+    async def next(self) -> Any:
+        event = await self.events.get()
+        if isinstance(event, EngineFailure):
+            raise event
+        return event
+
+    def put_back(self, event: Any) -> None:
+        """Deliver `event` again after whatever is queued now (to handle it later, in order)."""
+        self.events.put_nowait(event)
 
     def put(self, event: Any) -> None:
+        """Any thread."""
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
@@ -67,7 +90,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, name: str = "engine") -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._stopping = False
         self._wake = threading.Event()
         # Prefill role: called on the engine thread after each layer of a prefill batch.
@@ -99,32 +122,17 @@ class AsyncEngine:
         """Fire and forget: run `fn(engine)` on the engine thread, in order with other commands."""
         self._submit(lambda: fn(self.engine))
 
-    def open_stream(self, req_id: str, num_already_sent: int = 0) -> asyncio.Queue[Any]:
-        """Events for `req_id` (TokenEvent, or what the prefill hook posts) arrive on the queue.
-        `num_already_sent`: output tokens the client has already (a resumed request's)."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), num_sent=num_already_sent)
+    @contextlib.contextmanager
+    def stream(self, req_id: str, num_already_sent: int = 0) -> Iterator[RequestStream]:
+        """The events of `req_id` while the block runs. `num_already_sent`: output tokens the client already
+        has (a resumed request's). Leaving the block stops the events; aborting the request is the caller's."""
+        stream = RequestStream(asyncio.get_running_loop(), num_already_sent)
         self._streams[req_id] = stream
-        return stream.events
-
-    def close_stream(self, req_id: str) -> None:
-        self._streams.pop(req_id, None)
-
-    async def generate(self, req_id: str, prompt_token_ids: list[int], params: Any,
-                       prefill_only: bool = False) -> AsyncIterator[TokenEvent]:
-        """Add a request and yield its token events; leaving early (cancel, error) aborts it."""
-        events = self.open_stream(req_id)
         try:
-            await self.call(lambda e: e.add_request(req_id, prompt_token_ids, params, prefill_only))
-            while True:
-                event = await events.get()
-                if isinstance(event, EngineFailure):
-                    raise event
-                yield event
-                if isinstance(event, TokenEvent) and event.finish_reason is not None:
-                    return
+            yield stream
         finally:
-            self.close_stream(req_id)
-            self.post(lambda e: e.abort(req_id))
+            if self._streams.get(req_id) is stream:
+                del self._streams[req_id]
 
     def publish(self, request: Request, batch_size: int = 0, step_s: float = 0.0) -> None:
         """Engine thread: send the request's tokens not yet sent (and its end, if it ended), with the
@@ -133,30 +141,37 @@ class AsyncEngine:
         if event is not None:
             event[0].put(event[1])
 
-    def _event_for(self, request: Request, batch_size: int, step_s: float) -> tuple[_Stream, TokenEvent] | None:
+    def _event_for(self, request: Request, batch_size: int, step_s: float
+                   ) -> tuple[RequestStream, TokenEvent] | None:
         stream = self._streams.get(request.req_id)
         if stream is None:
             return None
         new_ids = request.output_token_ids[stream.num_sent:]
         if not new_ids and request.finish_reason is None:
             return None
+        local = {reason: n - stream.local_prefill_sent.get(reason, 0)
+                 for reason, n in request.local_prefill_tokens.items() if n != stream.local_prefill_sent.get(reason, 0)}
+        stream.local_prefill_sent = dict(request.local_prefill_tokens)
         queue_s = None
         if stream.num_sent == 0 and request.first_scheduled_time is not None:
             queue_s = request.first_scheduled_time - request.arrival_time
         logprobs = request.output_logprobs[stream.num_sent:]
         stream.num_sent = request.num_output_tokens
-        return stream, TokenEvent(new_ids, logprobs, request.finish_reason, request.num_local_prefill_tokens,
-                                  batch_size, step_s, queue_s)
+        return stream, TokenEvent(new_ids, logprobs, request.finish_reason, local, batch_size, step_s, queue_s)
 
     def _publish_step(self, result: StepResult, seconds: float) -> None:
         """Engine thread: every request's new tokens of a step, handed to the event loop in one wake-up
         (one `call_soon_threadsafe` per loop, not one per request: each is a write to the loop's pipe)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], TokenEvent]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         for request in result.requests:
             event = self._event_for(request, len(result.requests), seconds)
             if event is not None:
                 stream, token_event = event
                 by_loop.setdefault(stream.loop, []).append((stream.events, token_event))
+        for request in result.reserved:
+            if (reserved_stream := self._streams.get(request.req_id)) is not None:
+                by_loop.setdefault(reserved_stream.loop, []).append(
+                    (reserved_stream.events, ReservedEvent(list(request.block_ids))))
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)
 
@@ -216,7 +231,7 @@ class AsyncEngine:
             self.engine.abort(req_id)
 
 
-def _put_all(batch: list[tuple[asyncio.Queue[Any], TokenEvent]]) -> None:
+def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
     for events, event in batch:
         events.put_nowait(event)
 

@@ -24,7 +24,7 @@ def fetch_model_cmd(
     cache_dir: Annotated[Path | None, typer.Option(help="Default: $TANDEM_HOME or ~/.cache/tandem.")] = None,
 ) -> None:
     """Download and convert a preset model once (idempotent); print its local folder last."""
-    from tandem.shared.models import fetch_model
+    from tandem.models import fetch_model
 
     path = fetch_model(name, cache_dir=cache_dir, progress=True)
     print(path)
@@ -47,7 +47,7 @@ def generate(
     import torch
 
     from tandem import LLM, SamplingParams
-    from tandem.shared.models import apply_chat_template
+    from tandem.models import apply_chat_template
 
     if threads:
         torch.set_num_threads(threads)
@@ -76,61 +76,74 @@ TlsCaOpt = Annotated[str | None, typer.Option(
 
 
 def _tls(cert: str | None, key: str | None, ca: str | None, client_auth: bool = True):  # noqa: ANN202
-    from tandem.shared.rpc import TlsConfig
+    from tandem.serving.rpc import TlsConfig
 
     return TlsConfig.from_flags(cert, key, ca, client_auth)
 
 
-def _worker(role: str, model: str, host: str, port: int, http_port: int, advertise: str | None,
-            redis: str | None, device: str, threads: int, num_kv_blocks: int | None, max_model_len: int | None,
-            max_num_seqs: int, drain_s: float, kv_transport: str = "auto", gpu_memory_fraction: float = 0.85,
-            max_queued: int = 1024, tls_cert: str | None = None, tls_key: str | None = None,
-            tls_ca: str | None = None) -> None:
+EngineGroup = "Engine"
+
+
+def _worker(role: str, service: dict[str, object], engine: dict[str, object], threads: int,
+            kv_transport: str = "auto", max_queued: int = 1024) -> None:
+    """Flags → `ServiceOptions` and `EngineConfig` (each built once, here), then the worker's `serve`."""
     import asyncio
     import logging
 
     import torch
 
-    from tandem.shared.service import EngineOptions, ServiceOptions
+    from tandem.common.config import EngineConfig
+    from tandem.models import load_model_config
+    from tandem.serving.service import ServiceOptions
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     if threads:
         torch.set_num_threads(threads)
-    service = ServiceOptions(role=role, host=host, port=port, advertise=advertise, http_port=http_port,
-                             redis_url=redis, drain_s=drain_s, tls=_tls(tls_cert, tls_key, tls_ca))
-    engine = EngineOptions(model=model, device=device, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
-                           max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction)
+    tls = _tls(service.pop("tls_cert"), service.pop("tls_key"), service.pop("tls_ca"))  # type: ignore[arg-type]
+    options = ServiceOptions(role=role, tls=tls, **service)  # type: ignore[arg-type]
+    model = str(engine.pop("model"))
+    config = EngineConfig.create(load_model_config(model), **engine)  # type: ignore[arg-type]
     if role == "prefill":
         from tandem.prefill_svc.server import serve as serve_prefill
 
-        asyncio.run(serve_prefill(service, engine))
+        asyncio.run(serve_prefill(options, config, model))
     else:
         from tandem.decode_svc.server import serve as serve_decode
 
-        asyncio.run(serve_decode(service, engine, kv_transport, max_queued))
+        asyncio.run(serve_decode(options, config, model, kv_transport, max_queued))
+
+
+NumKvBlocksOpt = Annotated[int | None, typer.Option(help="KV pool size in blocks (default: from memory).",
+                                                     rich_help_panel=EngineGroup)]
+MaxModelLenOpt = Annotated[int | None, typer.Option(help="Longest prompt + output (default: the model's, capped).",
+                                                     rich_help_panel=EngineGroup)]
+MaxNumSeqsOpt = Annotated[int, typer.Option(help="Requests per step at most.", rich_help_panel=EngineGroup)]
+GpuFractionOpt = Annotated[float, typer.Option(help="Share of the GPU this worker may use.",
+                                               rich_help_panel=EngineGroup)]
 
 
 @app.command()
 def prefill(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: PortOpt = 50061,
             http_port: HttpPortOpt = 8061, advertise: AdvertiseOpt = None, redis: RedisOpt = None,
-            device: DeviceOpt = "cpu", threads: ThreadsOpt = 0, num_kv_blocks: int | None = None,
-            max_model_len: int | None = None, max_num_seqs: int = 256, drain_s: float = 30.0,
-            gpu_memory_fraction: Annotated[float, typer.Option(help="Share of the GPU this worker may use.")] = 0.85,
+            device: DeviceOpt = "cpu", threads: ThreadsOpt = 0, num_kv_blocks: NumKvBlocksOpt = None,
+            max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256, drain_s: float = 30.0,
+            gpu_memory_fraction: GpuFractionOpt = 0.85,
             tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
             ) -> None:
     """Run one prefill worker."""
-    _worker("prefill", model, host, port, http_port, advertise, redis, device, threads, num_kv_blocks,
-            max_model_len, max_num_seqs, drain_s, gpu_memory_fraction=gpu_memory_fraction,
-            tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
+    _worker("prefill", dict(host=host, port=port, http_port=http_port, advertise=advertise, redis_url=redis,
+                            drain_s=drain_s, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca),
+            dict(model=model, device=device, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+                 max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction), threads)
 
 
 @app.command()
 def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: PortOpt = 50071,
            http_port: HttpPortOpt = 8071, advertise: AdvertiseOpt = None, redis: RedisOpt = None,
-           device: DeviceOpt = "cpu", threads: ThreadsOpt = 0, num_kv_blocks: int | None = None,
-           max_model_len: int | None = None, max_num_seqs: int = 256, drain_s: float = 30.0,
+           device: DeviceOpt = "cpu", threads: ThreadsOpt = 0, num_kv_blocks: NumKvBlocksOpt = None,
+           max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256, drain_s: float = 30.0,
            kv_transport: Annotated[str, typer.Option(help="auto | grpc | cuda-ipc (same GPU only).")] = "auto",
-           gpu_memory_fraction: Annotated[float, typer.Option(help="Share of the GPU this worker may use.")] = 0.85,
+           gpu_memory_fraction: GpuFractionOpt = 0.85,
            max_queued: Annotated[int, typer.Option(
                help="Requests accepted but not yet running (incl. waiting for blocks); past it RESOURCE_EXHAUSTED."
            )] = 1024,
@@ -139,9 +152,11 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
     """Run one decode worker."""
     if kv_transport not in ("auto", "grpc", "cuda-ipc"):
         raise typer.BadParameter("must be auto, grpc or cuda-ipc", param_hint="--kv-transport")
-    _worker("decode", model, host, port, http_port, advertise, redis, device, threads, num_kv_blocks,
-            max_model_len, max_num_seqs, drain_s, kv_transport, gpu_memory_fraction, max_queued,
-            tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
+    _worker("decode", dict(host=host, port=port, http_port=http_port, advertise=advertise, redis_url=redis,
+                           drain_s=drain_s, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca),
+            dict(model=model, device=device, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+                 max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction), threads,
+            kv_transport, max_queued)
 
 
 @app.command()
@@ -166,7 +181,7 @@ def gateway(
 
     from tandem.gateway.auth import parse_api_keys
     from tandem.gateway.server import serve
-    from tandem.shared.service import ServiceOptions
+    from tandem.serving.service import ServiceOptions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
     if not redis and not decode:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tandem.shared.errors import InvalidRequestError
+from tandem.common.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,3 @@ class SamplingParams:
             raise InvalidRequestError("seed", f"must be in [0, 2**64), got {self.seed!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0

@@ -13,7 +13,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
@@ -21,7 +21,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from tandem.shared.errors import UnavailableError
+from tandem.common.errors import UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ class WorkerRecord:
     queue_depth: int
     worker_id: str
     updated_at: float  # time.time() when the record was produced
+    # The limits the gateway enforces before routing (0: not known yet).
+    max_model_len: int = 0
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -65,6 +68,8 @@ class WorkerRecord:
         values: dict[str, Any] = {}
         for field in fields(cls):
             if field.name not in data:
+                if field.default is not MISSING:
+                    continue
                 raise ValueError(f"worker record lacks {field.name}")
             value = data[field.name]
             # Checked here, at the trust boundary: a string where a count belongs would otherwise fail
@@ -85,7 +90,7 @@ class Registry(Protocol):
     async def stop(self) -> None:
         """Stops the background refresh (and heartbeat, if any)."""
 
-    async def workers(self, role: str) -> list[WorkerRecord]:
+    def workers(self, role: str) -> list[WorkerRecord]:
         """The workers of `role` ("prefill" or "decode") believed up now."""
 
 
@@ -132,7 +137,7 @@ class StaticRegistry:
         await _cancel(self._task)
         self._task = None
 
-    async def workers(self, role: str) -> list[WorkerRecord]:
+    def workers(self, role: str) -> list[WorkerRecord]:
         return [record for key, record in self._records.items() if key[0] == role and key not in self._down]
 
     async def refresh(self) -> None:
@@ -223,7 +228,7 @@ class RedisRegistry:
         self._reader_task = self._heartbeat_task = None
         await self._redis.aclose()
 
-    async def workers(self, role: str) -> list[WorkerRecord]:
+    def workers(self, role: str) -> list[WorkerRecord]:
         return [record for record in self._view.values() if record.role == role]
 
     async def refresh(self) -> bool:

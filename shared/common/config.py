@@ -1,6 +1,7 @@
 """Frozen configuration dataclasses, one per concern, built once at the edge and passed down.
 
-The engine core never reads the environment: the CLI and services build these from flags/env.
+The engine core never reads the environment: the CLI and services build these from flags/env. Plain
+values only (no torch): the gateway imports them too.
 """
 
 from __future__ import annotations
@@ -8,8 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-
-import torch
 
 
 class ConfigError(ValueError):
@@ -121,7 +120,8 @@ class SchedulerConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The compute/KV dtypes a worker may run with, and their sizes in bytes.
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -139,8 +139,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ConfigError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_SIZES:
+            raise ConfigError(f"dtype must be auto or one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.max_model_len > self.model.max_position_embeddings:
@@ -154,6 +154,19 @@ class EngineConfig:
                 f"max_model_len ({self.max_model_len}) so that any admissible prompt fits one step"
             )
 
+    @classmethod
+    def create(cls, model: ModelConfig, *, device: str = "cpu", dtype: str = "auto", block_size: int = 16,
+               num_kv_blocks: int | None = None, gpu_memory_fraction: float = 0.85, max_model_len: int | None = None,
+               max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, use_triton: bool = True,
+               use_cuda_graphs: bool = True, seed: int = 0) -> EngineConfig:
+        """The one place flat settings (flags, `LLM(...)` keywords) become the nested config."""
+        return cls(model=model,
+                   cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                                     gpu_memory_fraction=gpu_memory_fraction),
+                   scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                             max_model_len=max_model_len),
+                   device=device, dtype=dtype, use_triton=use_triton, use_cuda_graphs=use_cuda_graphs, seed=seed)
+
     @property
     def max_model_len(self) -> int:
         if self.scheduler.max_model_len is not None:
@@ -161,7 +174,41 @@ class EngineConfig:
         return min(self.model.max_position_embeddings, self.scheduler.max_num_batched_tokens)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def resolved_dtype(self) -> str:
+        """The dtype name the weights and the KV cache use ("auto" resolved for the device)."""
         if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.bfloat16
-        return _DTYPES[self.dtype]
+            return "float32" if self.device == "cpu" else "bfloat16"
+        return self.dtype
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(dtype=self.resolved_dtype, block_size=self.cache.block_size,
+                        num_layers=self.model.num_hidden_layers, num_kv_heads=self.model.num_key_value_heads,
+                        head_dim=self.model.head_dim, model_fingerprint=self.model.fingerprint())
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a page means: two workers may exchange pages only if their layouts are equal."""
+
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    model_fingerprint: str
+
+    def fingerprint(self) -> str:
+        """Equal for exactly the workers that may exchange pages (same model, dtype and shapes)."""
+        blob = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @property
+    def block_bytes_per_layer(self) -> int:
+        """Bytes of one block's K (or V) in one layer."""
+        return self.block_size * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's K and V across all layers."""
+        return 2 * self.num_layers * self.block_bytes_per_layer

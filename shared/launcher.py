@@ -21,7 +21,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.shared.rpc import TlsConfig
+from tandem.common.paths import tandem_home
+from tandem.serving.rpc import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,7 @@ class Stack:
         o = self.options
         # One folder per run: stacks started side by side (tests, several users) never share a log file.
         run_name = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
-        log_dir = o.log_dir or home / "logs" / run_name
+        log_dir = o.log_dir or tandem_home() / "logs" / run_name
         log_dir.mkdir(parents=True, exist_ok=True)
         base = [sys.executable, "-m", "tandem.cli"]
         common = ["--model", o.model]
@@ -116,8 +116,11 @@ class Stack:
                             "--http-port", str(http_port)]
                     + (["--kv-transport", o.kv_transport] if role == "decode" else []),
                     log_dir / f"{role}-{i}.log"))
-        gateway = base + ["gateway", *common, "--host", o.host, "--port", str(o.gateway_port),
-                          "--http-port", str(o.gateway_http_port)]
+        # Port 0 means "pick a free one": picked here, so that the launcher knows where the gateway listens.
+        gateway_port = o.gateway_port or free_port(o.host)
+        gateway_http_port = o.gateway_http_port or free_port(o.host)
+        gateway = base + ["gateway", *common, "--host", o.host, "--port", str(gateway_port),
+                          "--http-port", str(gateway_http_port)]
         if o.max_model_len:
             gateway += ["--max-model-len", str(o.max_model_len)]
         if not o.redis_url:
@@ -125,8 +128,8 @@ class Stack:
                 gateway += ["--prefill", address]
             for address in workers["decode"]:
                 gateway += ["--decode", address]
-        self.services.insert(0, Service("gateway", f"{o.host}:{o.gateway_port}",
-                                        f"http://{o.host}:{o.gateway_http_port}", gateway, log_dir / "gateway.log"))
+        self.services.insert(0, Service("gateway", f"{o.host}:{gateway_port}",
+                                        f"http://{o.host}:{gateway_http_port}", gateway, log_dir / "gateway.log"))
 
     def _spawn(self, service: Service) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -139,7 +142,7 @@ class Stack:
         from tqdm import tqdm
 
         # Fetch (and convert) a preset once here, with a progress bar, rather than in every process at once.
-        from tandem.shared.models import load_model_config
+        from tandem.models import load_model_config
 
         load_model_config(self.options.model)
         self._plan()

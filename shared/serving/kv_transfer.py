@@ -14,26 +14,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from tandem.shared.engine.kv_cache import KVLayout
-from tandem.shared.errors import LayoutMismatchError
+from tandem.common.config import KVLayout
+from tandem.common.errors import LayoutMismatchError
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
 # Each KVPages message carries at most this many bytes of K plus V.
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
-
-
-def layout_to_proto(layout: KVLayout) -> worker_pb2.KVLayout:
-    return worker_pb2.KVLayout(dtype=layout.dtype, block_size=layout.block_size, num_layers=layout.num_layers,
-                               num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                               model_fingerprint=layout.model_fingerprint)
-
-
-def layout_from_proto(message: worker_pb2.KVLayout) -> KVLayout:
-    return KVLayout(dtype=message.dtype, block_size=message.block_size, num_layers=message.num_layers,
-                    num_kv_heads=message.num_kv_heads, head_dim=message.head_dim,
-                    model_fingerprint=message.model_fingerprint)
 
 
 def check_layout(mine: KVLayout, theirs: KVLayout) -> None:

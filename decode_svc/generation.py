@@ -1,0 +1,138 @@
+"""One decode request from arrival to its last token: backpressure, its span, admission by the scheduler, the
+prompt's pages pulled from a prefill worker (or computed here), and the token stream back.
+
+`Decode.Generate` and every request of a `Decode.Session` run through `RequestRunner.run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from dataclasses import dataclass
+
+from tandem.common.errors import OverloadedError
+from tandem.decode_svc.kv_pull import FallBackLocally, KVPuller, PullRequest
+from tandem.decode_svc.tracing import DecodeTraces
+from tandem.serving import metrics
+from tandem.serving.async_engine import AsyncEngine, RequestStream, ReservedEvent, TokenEvent
+from tandem.serving.telemetry import ending
+from tandem.serving.wire import finish_reason_to_proto, sampling_from_worker
+from tandem.v1 import worker_pb2
+
+
+@dataclass(frozen=True)
+class _PullFailed:
+    """The pull ended the request with this error (delivered through the request's stream)."""
+
+    error: Exception
+
+
+class RequestRunner:
+    def __init__(self, engine: AsyncEngine, puller: KVPuller, traces: DecodeTraces, max_queued: int = 1024) -> None:
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        self.engine = engine
+        self.puller = puller
+        self.traces = traces
+        # Backpressure: requests accepted but not yet producing tokens (waiting for admission, for their pages,
+        # or for their first step) are bounded; past the bound a new one is refused with RESOURCE_EXHAUSTED.
+        self.max_queued = max_queued
+        self.num_queued = 0
+
+    async def run(self, request: worker_pb2.DecodeRequest, deadline: float | None,
+                  trace_carrier: Iterable[tuple[str, str | bytes]] | None) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        """The request's responses, inside its `decode.generate` span (continuing the caller's trace), with the
+        latency metrics of the request as decode sees it. `deadline` is on `time.monotonic()`'s clock."""
+        arrival = time.perf_counter()
+        req_id = request.request_id
+        if self.num_queued >= self.max_queued:
+            metrics.REQUESTS.labels(status="resource_exhausted").inc()
+            raise OverloadedError(f"decode worker has {self.num_queued} requests waiting (limit {self.max_queued})")
+        span = self.traces.start(req_id, len(request.prompt_token_ids), trace_carrier)
+        time_to_first_token_s, num_tokens = 0.0, 0
+        self.num_queued += 1
+        is_queued = True
+        try:
+            with ending(span):
+                async with contextlib.aclosing(self._generate(request, deadline)) as responses:
+                    async for response in responses:
+                        if is_queued:
+                            self.num_queued -= 1
+                            is_queued = False
+                        if num_tokens == 0:
+                            time_to_first_token_s = time.perf_counter() - arrival
+                            response.time_to_first_token_s = time_to_first_token_s
+                        num_tokens += len(response.token_ids)
+                        if response.finish_reason:
+                            metrics.observe_latency(time_to_first_token_s, time.perf_counter() - arrival, num_tokens)
+                        yield response
+        finally:
+            if is_queued:
+                self.num_queued -= 1
+            self.traces.finish(req_id)
+
+    async def _generate(self, request: worker_pb2.DecodeRequest,
+                        deadline: float | None) -> AsyncGenerator[worker_pb2.DecodeResponse, None]:
+        engine = self.engine
+        req_id = request.request_id
+        prompt = list(request.prompt_token_ids)
+        prior = list(request.output_token_ids)  # a resumed request's tokens, already with the client
+        params = sampling_from_worker(request.sampling)
+        remote = bool(request.prefill_address)
+        pull: asyncio.Task[None] | None = None
+        admission = self.traces.child(req_id, "decode.admission") if remote else None
+        with engine.stream(req_id, num_already_sent=len(prior)) as events:
+            try:
+                await engine.call(lambda e: e.add_request(
+                    req_id, prompt, params, output_token_ids=prior, remote_prefill=remote,
+                    local_prefill_reason="local" if remote else "no_prefill_worker"))
+                while True:
+                    event = await events.next()
+                    if isinstance(event, ReservedEvent):
+                        if admission is not None:
+                            admission.set_attribute("tandem.kv.blocks_reserved", len(event.block_ids))
+                            admission.end()
+                        pull = asyncio.create_task(self._pull(
+                            PullRequest(req_id, prompt, prior, params, event.block_ids), request.prefill_address,
+                            deadline, events))
+                        continue
+                    if isinstance(event, _PullFailed):
+                        raise event.error
+                    assert isinstance(event, TokenEvent)
+                    self.traces.on_event(req_id, event)
+                    response = worker_pb2.DecodeResponse(
+                        token_ids=event.token_ids, logprobs=event.logprobs,
+                        finish_reason=finish_reason_to_proto(event.finish_reason) if event.finish_reason else 0,
+                        num_local_prefill_tokens=sum(event.local_prefill_tokens.values()))
+                    for reason, num_tokens in event.local_prefill_tokens.items():
+                        metrics.LOCAL_PREFILL_TOKENS.labels(reason=reason).inc(num_tokens)
+                    if event.finish_reason is not None:
+                        # Counted before the last message goes out: the gateway cancels the call once it has it,
+                        # and this generator may never resume after the `yield`.
+                        metrics.REQUESTS.labels(status=event.finish_reason).inc()
+                    yield response
+                    if event.finish_reason is not None:
+                        return
+            finally:
+                if admission is not None and admission.is_recording() and pull is None:
+                    admission.end()
+                if pull is not None and not pull.done():
+                    pull.cancel()
+                    await asyncio.gather(pull, return_exceptions=True)
+                # Cancelled, failed or done: the request's blocks are free now (unless a peer may still write
+                # into them: then they are freed once it has stopped).
+                if req_id not in self.puller.quarantined:
+                    engine.post(lambda e: e.abort(req_id))
+
+    async def _pull(self, request: PullRequest, address: str, deadline: float | None, events: RequestStream) -> None:
+        """Fill the reserved blocks (the request then gets its first token through the engine), or have the
+        prompt computed here, or end the request with the error."""
+        try:
+            await self.puller.pull(request, address, deadline)
+        except FallBackLocally as fallback:
+            reason = fallback.reason
+            await self.engine.call(lambda e: e.prefill_locally(request.req_id, reason))
+        except Exception as error:  # handed to the request's own task, which raises it as the request's end
+            events.put_back(_PullFailed(error))

@@ -1,0 +1,131 @@
+"""The decode end of `Decode.Session`: many requests over one stream per gateway.
+
+Each start runs as its own task (the same `RequestRunner.run` as `Decode.Generate`); a writer sends everything
+that accumulated since its last message, which is one message per engine step when it keeps up and fewer,
+larger ones when it does not. A failed request gets an update with its status and the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from tandem.common.errors import TandemError
+from tandem.decode_svc.generation import RequestRunner
+from tandem.serving.rpc import remote_error, status_of
+from tandem.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)  # hashed by identity: the servicer keeps a set of its sessions
+class _Session:
+    """One gateway's session: its requests in flight, and the updates not yet sent."""
+
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    # The next message, filled in place (each update is copied once, into it).
+    pending: worker_pb2.SessionResponse = field(default_factory=worker_pb2.SessionResponse)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # something to send, or to re-check
+
+    def send(self, req_id: str, response: worker_pb2.DecodeResponse) -> None:
+        self.pending.updates.add(request_id=req_id, response=response)
+        self.ready.set()
+
+    def fail(self, req_id: str, code: grpc.StatusCode, message: str, error_type: str = "") -> None:
+        self.pending.updates.add(request_id=req_id, error_code=code.value[0], error_message=message,
+                                 error_type=error_type)
+        self.ready.set()
+
+    def take(self) -> worker_pb2.SessionResponse | None:
+        """The message to send now (None if nothing is pending)."""
+        if not self.pending.updates:
+            return None
+        message, self.pending = self.pending, worker_pb2.SessionResponse()
+        return message
+
+
+class Sessions:
+    def __init__(self, runner: RequestRunner) -> None:
+        self.runner = runner
+        self._sessions: set[_Session] = set()
+        self.draining = False
+
+    async def serve(self, requests: AsyncIterator[worker_pb2.SessionRequest]
+                    ) -> AsyncIterator[worker_pb2.SessionResponse]:
+        session = _Session()
+        self._sessions.add(session)
+        reader = asyncio.create_task(self._read(requests, session))
+        try:
+            while True:
+                await session.ready.wait()
+                session.ready.clear()
+                if (message := session.take()) is not None:
+                    yield message
+                if not session.tasks and (self.draining or reader.done()):
+                    return  # draining (or the gateway closed its side) and nothing left in flight
+        finally:
+            # The gateway went away (or the worker is stopping): every request of the session ends here,
+            # each freeing its blocks as a cancelled Generate call would.
+            reader.cancel()
+            for task in list(session.tasks.values()):
+                task.cancel()
+            self._sessions.discard(session)
+
+    def drain(self) -> None:
+        """Refuse new requests (UNAVAILABLE: the gateway goes elsewhere) and end each session once its requests
+        are done, so that the server's drain is not held up by idle sessions."""
+        self.draining = True
+        for session in self._sessions:
+            session.ready.set()
+
+    async def _read(self, requests: AsyncIterator[worker_pb2.SessionRequest], session: _Session) -> None:
+        try:
+            async for message in requests:
+                kind = message.WhichOneof("kind")
+                if kind == "start":
+                    self._start(session, message.start)
+                elif kind == "cancel" and (task := session.tasks.get(message.cancel.request_id)) is not None:
+                    task.cancel()
+        finally:
+            session.ready.set()
+
+    def _start(self, session: _Session, start: worker_pb2.SessionStart) -> None:
+        req_id = start.request.request_id
+        if self.draining:
+            session.fail(req_id, grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
+        elif req_id in session.tasks:
+            session.fail(req_id, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"request_id: {req_id!r} is already in flight in this session", "InvalidRequestError")
+        else:
+            session.tasks[req_id] = asyncio.create_task(self._run(session, start))
+
+    async def _run(self, session: _Session, start: worker_pb2.SessionStart) -> None:
+        req_id = start.request.request_id
+        timeout = start.timeout_s if start.timeout_s > 0 else None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            async with asyncio.timeout(timeout):
+                responses = self.runner.run(start.request, deadline, start.trace_context.items())
+                async with contextlib.aclosing(responses):
+                    async for response in responses:
+                        session.send(req_id, response)
+        except TimeoutError:
+            session.fail(req_id, grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded for {req_id}",
+                         "DeadlineExceededError")
+        except TandemError as error:
+            session.fail(req_id, status_of(error), str(error), type(error).__name__)
+        except grpc.aio.AioRpcError as error:  # a prefill worker's error that ends the request
+            typed = remote_error(error)
+            session.fail(req_id, error.code(), error.details() or "", type(typed).__name__ if typed else "")
+        except Exception as error:  # a bug: this request ends with INTERNAL, the session's others go on
+            log.exception("decode request %s failed", req_id)
+            session.fail(req_id, grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+        finally:
+            session.tasks.pop(req_id, None)
+            session.ready.set()

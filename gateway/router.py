@@ -1,0 +1,353 @@
+"""The gateway's pipeline, shared by its gRPC and HTTP doors: tokenize and validate, pick a (prefill, decode)
+pair, stream through the decode worker's session, detokenize, and resume on another worker after a failure.
+
+The gateway owns text: decode workers stream token ids; the gateway turns them into text, matches stop
+strings, and on a stop cancels the request on decode, so no compute is spent past it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from tandem.common.config import ModelConfig
+from tandem.common.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, UnavailableError
+from tandem.common.sampling_params import SamplingParams
+from tandem.common.validation import validate_prompt
+from tandem.gateway.sessions import DecodeSession, SessionEnded
+from tandem.models import apply_chat_template
+from tandem.models.detokenizer import IncrementalDetokenizer
+from tandem.serving import metrics
+from tandem.serving.registry import Registry, WorkerRecord, pick_pair
+from tandem.serving.rpc import PEER_FAILURE_CODES, ChannelPool, TlsConfig, typed_error
+from tandem.serving.telemetry import ending, get_tracer, inject_metadata
+from tandem.serving.wire import (
+    finish_reason_from_proto,
+    sampling_to_worker,
+    with_resolved_seed,
+)
+from tandem.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatewayModel:
+    """The served model as the gateway knows it: its name, its own context cap (the workers' may be lower:
+    `Router.max_model_len` takes the smaller) and tokenizer."""
+
+    name: str
+    config: ModelConfig
+    max_model_len: int
+    tokenizer: Any
+
+
+@dataclass
+class Completion:
+    """One request's progress as the gateway tracks it (shared with the HTTP API)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str = ""
+    # The chosen token's logprob for each of token_ids (as decode reports them).
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    time_to_first_token_s: float = 0.0
+    e2e_s: float = 0.0
+
+
+class Router:
+    """Routes token-level requests to a decode worker and yields (new token ids, new text) chunks.
+
+    Used by the gRPC servicer and by the OpenAI-compatible HTTP API alike.
+    """
+
+    def __init__(self, model: GatewayModel, registry: Registry, tracer: trace.Tracer | None = None,
+                 max_concurrent_requests: int = 1024, tls: TlsConfig | None = None) -> None:
+        # TLS (with this gateway's certificate, for mutual TLS) on the calls to decode workers.
+        self.tls = tls
+        if max_concurrent_requests < 1:
+            raise ValueError(f"max_concurrent_requests must be >= 1, got {max_concurrent_requests}")
+        self.model = model
+        self.registry = registry
+        # Backpressure: past this many streams in flight (gRPC and HTTP together), RESOURCE_EXHAUSTED at once.
+        self.max_concurrent_requests = max_concurrent_requests
+        self._num_active = 0
+        # The process-wide tracer unless one is given (tests host several services in one process).
+        self.tracer = tracer or get_tracer("gateway")
+        self._channels = ChannelPool(tls)
+        self._sessions: dict[str, DecodeSession] = {}
+        self._refused: set[str] = set()  # workers of another model, logged once each
+
+    # -- the limits it enforces: the workers' ----------------------------------------------------------------
+    def decode_workers(self) -> list[WorkerRecord]:
+        """Decode workers serving this gateway's model (a worker of another model is refused, logged once)."""
+        return self._of_model(self.registry.workers("decode"))
+
+    def _of_model(self, workers: list[WorkerRecord]) -> list[WorkerRecord]:
+        accepted = []
+        for worker in workers:
+            if worker.model and worker.model != self.model.name:
+                if worker.address not in self._refused:
+                    self._refused.add(worker.address)
+                    log.error("refusing %s worker %s: it serves %r, this gateway %r", worker.role, worker.address,
+                              worker.model, self.model.name)
+                continue
+            accepted.append(worker)
+        metrics.WORKERS_REFUSED.set(len(self._refused))
+        return accepted
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length requests are checked against: the smallest of this gateway's cap and what the
+        decode workers report (a worker that has not reported yet does not count)."""
+        reported = [w.max_model_len for w in self.decode_workers() if w.max_model_len > 0]
+        return min([self.model.max_model_len, *reported])
+
+    @property
+    def vocab_size(self) -> int:
+        reported = [w.vocab_size for w in self.decode_workers() if w.vocab_size > 0]
+        return min(reported) if reported else self.model.config.vocab_size
+
+    def prompt_ids(self, prompt: str | None = None, token_ids: list[int] | None = None,
+                   messages: list[dict[str, str]] | None = None) -> list[int]:
+        """Exactly one input → the prompt's token ids (validated against the vocabulary), traced as a
+        `tokenize` span under the current one."""
+        with self.tracer.start_as_current_span("tokenize") as span:
+            ids = self._tokenize(prompt, token_ids, messages)
+            span.set_attribute("tandem.prompt_tokens", len(ids))
+            return ids
+
+    def _tokenize(self, prompt: str | None, token_ids: list[int] | None,
+                  messages: list[dict[str, str]] | None) -> list[int]:
+        tokenizer = self.model.tokenizer
+        if messages is not None:
+            if not messages:
+                raise InvalidRequestError("messages", "must not be empty")
+            ids = apply_chat_template(tokenizer, messages)
+        elif prompt is not None:
+            ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+        elif token_ids is not None:
+            ids = list(token_ids)
+        else:
+            raise InvalidRequestError("input", "one of prompt, prompt_token_ids or messages is required")
+        validate_prompt(ids, self.vocab_size, self.max_model_len)
+        return ids
+
+    def check_model(self, name: str) -> None:
+        if name and name != self.model.name:
+            raise InvalidRequestError("model", f"unknown model {name!r}; this gateway serves {self.model.name!r}")
+
+    async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     timeout: float | None = None, trace_context: Context | None = None,
+                     ) -> AsyncGenerator[tuple[list[int], str, Completion], None]:
+        """Yield (new token ids, new text, progress) as decode streams; the last has finish_reason set.
+
+        A decode worker that fails (unreachable, dies, ends the stream early, or is full) is left out and
+        the request goes on on another one: before any token it simply starts there; after some tokens it
+        resumes with the tokens already yielded (the new worker re-prefills prompt + those tokens and,
+        sampling being placement-free, continues token-exact), so the caller sees one stream. It ends with
+        UNAVAILABLE (RESOURCE_EXHAUSTED if the last worker was full) only when no decode worker is left.
+
+        Traced as a `route` span per attempt and a `stream` span (the decode calls and detokenization)
+        under `trace_context`, by default the caller's current context; decode continues the trace.
+        """
+        validate_prompt(prompt_ids, self.vocab_size, self.max_model_len, params.max_tokens)
+        if self._num_active >= self.max_concurrent_requests:
+            metrics.REQUESTS.labels(status="resource_exhausted").inc()
+            raise OverloadedError(f"the gateway is at its limit of {self.max_concurrent_requests} "
+                                  "concurrent requests; retry later")
+        self._num_active += 1
+        try:
+            async for chunk in self._stream(request_id, prompt_ids, with_resolved_seed(params), timeout,
+                                            trace_context):
+                yield chunk
+        finally:
+            self._num_active -= 1
+
+    async def _stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      timeout: float | None, trace_context: Context | None,
+                      ) -> AsyncGenerator[tuple[list[int], str, Completion], None]:
+        arrival = time.perf_counter()
+        deadline = None if timeout is None else arrival + timeout
+        parent = otel_context.get_current() if trace_context is None else trace_context
+        detok = IncrementalDetokenizer(self.model.tokenizer, prompt_ids, stop=params.stop,
+                                       skip_special_tokens=params.skip_special_tokens)
+        progress = Completion(request_id, prompt_ids, [])
+        failed: set[str] = set()  # decode workers this request has given up on
+        last_error: Exception | None = None
+        span = self.tracer.start_span("stream", context=parent, attributes={
+            "tandem.request_id": request_id, "tandem.prompt_tokens": len(prompt_ids),
+            "tandem.max_tokens": params.max_tokens})
+        with ending(span):
+            try:
+                while True:
+                    try:
+                        prefill, decode = await self._route(parent, exclude=failed)
+                    except UnavailableError:
+                        metrics.REQUESTS.labels(status="error").inc()
+                        if isinstance(last_error, OverloadedError):
+                            raise last_error from None
+                        raise UnavailableError(f"no decode worker left for {request_id}"
+                                               + (f" (last: {last_error})" if last_error else "")) from None
+                    if not failed:
+                        span.set_attribute("tandem.decode.address", decode.address)
+                    else:
+                        span.add_event("resume", {"tandem.decode.address": decode.address,
+                                                  "tandem.resumed_tokens": len(progress.token_ids)})
+                        log.warning("%s: resuming on %s after %d tokens (%s)", request_id, decode.address,
+                                    len(progress.token_ids), last_error)
+                    remaining = None if deadline is None else max(1e-3, deadline - time.perf_counter())
+                    try:
+                        async for chunk in self._attempt(decode, prefill, request_id, prompt_ids, params,
+                                                         remaining, span, detok, progress, arrival):
+                            yield chunk
+                        return
+                    except _RetryableError as error:
+                        failed.add(decode.address)
+                        last_error = error.cause
+            finally:
+                span.set_attributes({"tandem.completion_tokens": len(progress.token_ids),
+                                     "tandem.finish_reason": progress.finish_reason or "",
+                                     "tandem.time_to_first_token_s": progress.time_to_first_token_s,
+                                     "tandem.num_decode_failures": len(failed)})
+
+    async def _attempt(self, decode: WorkerRecord, prefill: WorkerRecord | None, request_id: str,
+                       prompt_ids: list[int], params: SamplingParams, timeout: float | None, span: trace.Span,
+                       detok: IncrementalDetokenizer, progress: Completion, arrival: float,
+                       ) -> AsyncGenerator[tuple[list[int], str, Completion], None]:
+        """One decode call, continuing `progress`; raises `_RetryableError` when another worker may finish
+        the request."""
+        session = self._session(decode.address)
+        # Workers key requests by id: a suffix per attempt keeps two clients' equal ids (or a retry racing
+        # the old attempt's cleanup) apart, while logs and traces still show the client's id.
+        worker_request_id = f"{request_id}#{uuid.uuid4().hex[:8]}"
+        updates = session.start(worker_pb2.DecodeRequest(
+            request_id=worker_request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_worker(params),
+            prefill_address=prefill.address if prefill is not None else "",
+            output_token_ids=progress.token_ids), timeout, dict(inject_metadata(trace.set_span_in_context(span)) or ()))
+        ended = False
+        try:
+            while True:
+                update = await updates.next()  # all the tokens that have come, in one message to the client
+                if isinstance(update, SessionEnded):
+                    ended = True
+                    raise _attempt_error(update.code, update.details)
+                if update.error_code:
+                    ended = True
+                    raise _attempt_error(_CODES[update.error_code], update.error_message, update.error_type)
+                response = update.response
+                if not progress.token_ids:
+                    progress.time_to_first_token_s = time.perf_counter() - arrival
+                new_ids = list(response.token_ids)
+                new_logprobs = list(response.logprobs)
+                text = detok.push(new_ids)
+                if detok.stopped:
+                    # Only the tokens up to the one completing the stop string count.
+                    new_ids = new_ids[:detok.num_tokens_used - len(progress.token_ids)]
+                    new_logprobs = new_logprobs[:len(new_ids)]
+                    progress.finish_reason = "stop"
+                elif response.finish_reason:
+                    progress.finish_reason = finish_reason_from_proto(response.finish_reason)
+                    text += detok.finish()
+                    ended = True
+                progress.token_ids += new_ids
+                progress.logprobs += new_logprobs
+                progress.text += text
+                if progress.finish_reason is not None:
+                    progress.e2e_s = time.perf_counter() - arrival
+                    _observe(progress)
+                    yield new_ids, text, progress
+                    return
+                yield new_ids, text, progress
+        finally:
+            # A stop string, a client cancel or an error: decode frees the request's blocks at once.
+            session.finish(worker_request_id, cancel=not ended)
+
+    def _session(self, address: str) -> DecodeSession:
+        """The session to a decode worker, opened on first use and again after it ended."""
+        session = self._sessions.get(address)
+        if session is None or session.closed:
+            session = self._sessions[address] = DecodeSession(self._channels.get(address), address)
+        return session
+
+    async def _route(self, parent: Context, exclude: set[str] | frozenset[str] = frozenset(),
+                     ) -> tuple[WorkerRecord | None, WorkerRecord]:
+        """The (prefill, decode) pair for a request, in a `route` span that says which and why; decode
+        workers in `exclude` (those this request has failed on) are left out."""
+        with ending(self.tracer.start_span("route", context=parent)) as span:
+            prefills = self._of_model(self.registry.workers("prefill"))
+            decodes = [d for d in self.decode_workers() if d.address not in exclude]
+            prefill, decode = pick_pair(prefills, decodes, None)
+            num_compatible = sum(p.fingerprint == decode.fingerprint for p in prefills)
+            if prefill is None:
+                reason = "no prefill worker with the decode worker's KV layout: decode prefills locally"
+            else:
+                reason = f"least queued of {num_compatible} compatible prefill workers"
+            span.set_attributes({
+                "tandem.route.decode": decode.address, "tandem.route.prefill": prefill.address if prefill else "",
+                "tandem.route.num_decode": len(decodes), "tandem.route.num_prefill": len(prefills),
+                "tandem.route.decode_free_blocks": decode.num_free_blocks,
+                "tandem.route.decode_queue_depth": decode.queue_depth,
+                "tandem.route.reason": f"most free blocks per queued request of {len(decodes)} decode workers; "
+                                       + reason})
+            return prefill, decode
+
+    async def close(self) -> None:
+        for session in self._sessions.values():
+            await session.close()
+        await self._channels.close()
+
+
+
+class _RetryableError(Exception):
+    """One decode attempt failed in a way another worker may get past; `cause` is what the client gets if no
+    worker is left."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class PassthroughError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+# grpc.StatusCode by its number, as session updates carry it.
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _attempt_error(code: grpc.StatusCode, details: str, error_type: str = "") -> Exception:
+    """What a decode worker's error means for the request: another worker may finish it (`_RetryableError`),
+    or it goes to the client as is."""
+    typed = typed_error(error_type, details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return _RetryableError(typed if isinstance(typed, OverloadedError) else OverloadedError(details))
+    if code in PEER_FAILURE_CODES:
+        return _RetryableError(UnavailableError(details))
+    metrics.REQUESTS.labels(status=code.name.lower()).inc()
+    if isinstance(typed, (InvalidRequestError, DeadlineExceededError)):
+        return typed
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError(details)
+    return PassthroughError(code, details)
+
+
+def _observe(progress: Completion) -> None:
+    metrics.observe_latency(progress.time_to_first_token_s, progress.e2e_s, len(progress.token_ids))
+    metrics.REQUESTS.labels(status=progress.finish_reason or "unknown").inc()
+
+
