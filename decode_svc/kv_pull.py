@@ -222,6 +222,38 @@ class KVPuller:
             self.quarantined.discard(req_id)
             await self.engine.call(lambda e: e.abort(req_id))
 
+    async def connect(self, address: str, attempts: int = 120, interval_s: float = 0.5) -> bool:
+        """Warm start: learn the peer (Info) and, when cuda-ipc will be used with it, have it map this worker's
+        pool now (`OpenPool`), so the first request pays for neither. Retries while the peer is not up yet;
+        False if it never answered (the first request then does it)."""
+        for _ in range(attempts):
+            peer = await self._peer(address)
+            if address in self._peers:
+                break
+            await asyncio.sleep(interval_s)
+        else:
+            return False
+        try:
+            transport = choose_transport(self.kv_transport, self.gpu_uuid, peer.gpu_uuid, peer.kv_transports,
+                                         peer.failed_ipc)
+        except ValueError:
+            return False
+        if transport != CUDA_IPC or peer.has_handle:
+            return True
+        pool = self._exported_pool()
+        try:
+            await worker_pb2_grpc.PrefillStub(self.channels.get(address)).OpenPool(
+                worker_pb2.OpenPoolRequest(pool_id=pool.pool_id, pool=pool.handle.to_proto(),
+                                           layout=layout_to_proto(self.engine.engine.layout)), timeout=30.0)
+            peer.has_handle = True
+        except grpc.aio.AioRpcError as error:
+            if isinstance(remote_error(error), PoolOpenError):
+                log.warning("cuda-ipc to %s impossible (%s); using grpc", address, error.details())
+                peer.failed_ipc = True
+            else:
+                return False
+        return True
+
     async def _peer(self, address: str) -> PeerState:
         peer = self._peers.get(address)
         if peer is None:

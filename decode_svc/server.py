@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
 import grpc
 from opentelemetry import trace
 
@@ -13,6 +16,7 @@ from tandem.decode_svc.tracing import DecodeTraces
 from tandem.engine.engine import StepResult
 from tandem.serving import metrics
 from tandem.serving.async_engine import AsyncEngine
+from tandem.serving.registry import RedisRegistry
 from tandem.serving.rpc import ChannelPool, TlsConfig
 from tandem.serving.service import ServiceOptions, run_service
 from tandem.serving.telemetry import get_tracer
@@ -21,32 +25,58 @@ from tandem.v1 import worker_pb2_grpc
 
 
 def create_servicer(engine: AsyncEngine, model_name: str, *, kv_transport: str = "auto", max_queued: int = 1024,
-                    tls: TlsConfig | None = None, tracer: trace.Tracer | None = None) -> DecodeServicer:
+                    tls: TlsConfig | None = None, tracer: trace.Tracer | None = None,
+                    is_known_peer: Callable[[str], Awaitable[bool]] | None = None) -> DecodeServicer:
     """The decode service's parts, wired: the KV puller (its channels use `tls`, this worker's certificate, for
-    mutual TLS to prefill workers), the request runner, the servicer. `tracer`: the process-wide one unless
-    given (tests host several services in one process)."""
+    mutual TLS to prefill workers; it dials only peers `is_known_peer` accepts, any if None), the request runner,
+    the servicer. `tracer`: the process-wide one unless given (tests host several services in one process)."""
     traces = DecodeTraces(tracer or get_tracer("decode"))
-    puller = KVPuller(engine, ChannelPool(tls), traces, kv_transport)
+    puller = KVPuller(engine, ChannelPool(tls), traces, kv_transport, is_known_peer)
     return DecodeServicer(engine, model_name, RequestRunner(engine, puller, traces, max_queued))
 
 
+class PrefillPeers:
+    """The prefill workers this decode worker may dial: the configured addresses, and those the registry lists
+    (never an address taken from a request alone)."""
+
+    def __init__(self, addresses: Sequence[str], registry: RedisRegistry | None) -> None:
+        self.addresses = frozenset(addresses)
+        self.registry = registry
+
+    async def is_known(self, address: str) -> bool:
+        if address in self.addresses:
+            return True
+        return self.registry is not None and any(w.address == address for w in self.registry.workers("prefill"))
+
+
 async def serve(service: ServiceOptions, config: EngineConfig, model_name: str, kv_transport: str = "auto",
-                max_queued: int = 1024) -> None:
+                max_queued: int = 1024, prefill_peers: Sequence[str] = ()) -> None:
     engine = start_engine(config, "decode")
+    registry = RedisRegistry(service.redis_url) if service.redis_url else None
+    if registry is not None:
+        await registry.start()
+    peers = PrefillPeers(prefill_peers, registry)
 
     def on_step(result: StepResult, seconds: float) -> None:
         if result.requests:  # a step that found nothing to run (all waiting for pages) is no batch
             metrics.BATCH_SIZE.observe(len(result.requests))
 
     engine.on_step = on_step
-    servicer = create_servicer(engine, model_name, kv_transport=kv_transport, max_queued=max_queued, tls=service.tls)
+    servicer = create_servicer(engine, model_name, kv_transport=kv_transport, max_queued=max_queued, tls=service.tls,
+                               is_known_peer=peers.is_known)
     worker_id = new_worker_id("decode")
+    # Warm start: learn the configured prefill workers and have them map this worker's pool now.
+    connecting = [asyncio.create_task(servicer.runner.puller.connect(address)) for address in prefill_peers]
 
     def add(server: grpc.aio.Server) -> list[str]:
         worker_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
         return ["tandem.v1.Decode"]
 
     async def cleanup() -> None:
+        for task in connecting:
+            task.cancel()
+        if registry is not None:
+            await registry.stop()
         await servicer.close()
         engine.close()
 

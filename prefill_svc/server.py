@@ -22,7 +22,7 @@ async def serve(service: ServiceOptions, config: EngineConfig, model_name: str) 
 
     async def cleanup() -> None:
         engine.close()
-        servicer.exporter.close()
+        servicer.export.close()
 
     await run_service(service, add, lambda address: worker_record(engine, "prefill", model_name, worker_id, address),
                       cleanup=cleanup)

@@ -85,7 +85,7 @@ EngineGroup = "Engine"
 
 
 def _worker(role: str, service: dict[str, object], engine: dict[str, object], threads: int,
-            kv_transport: str = "auto", max_queued: int = 1024) -> None:
+            kv_transport: str = "auto", max_queued: int = 1024, prefill_peers: list[str] | None = None) -> None:
     """Flags → `ServiceOptions` and `EngineConfig` (each built once, here), then the worker's `serve`."""
     import asyncio
     import logging
@@ -110,7 +110,7 @@ def _worker(role: str, service: dict[str, object], engine: dict[str, object], th
     else:
         from tandem.decode_svc.server import serve as serve_decode
 
-        asyncio.run(serve_decode(options, config, model, kv_transport, max_queued))
+        asyncio.run(serve_decode(options, config, model, kv_transport, max_queued, prefill_peers or []))
 
 
 NumKvBlocksOpt = Annotated[int | None, typer.Option(help="KV pool size in blocks (default: from memory).",
@@ -147,6 +147,10 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
            max_queued: Annotated[int, typer.Option(
                help="Requests accepted but not yet running (incl. waiting for blocks); past it RESOURCE_EXHAUSTED."
            )] = 1024,
+           prefill: Annotated[list[str] | None, typer.Option(
+               "--prefill", help="A prefill worker this decode worker may pull pages from (repeat); with --redis, "
+                                 "also every prefill worker the registry lists. No other address is ever dialled.")
+           ] = None,
            tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
            ) -> None:
     """Run one decode worker."""
@@ -156,7 +160,7 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
                            drain_s=drain_s, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca),
             dict(model=model, device=device, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                  max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction), threads,
-            kv_transport, max_queued)
+            kv_transport, max_queued, prefill)
 
 
 @app.command()
@@ -241,6 +245,9 @@ def up(
     gpu_memory_fraction: Annotated[float | None, typer.Option(
         help="GPU share per worker (default: 0.85 split evenly between the workers sharing the GPU).")] = None,
     max_num_seqs: Annotated[int, typer.Option(help="Decode batch cap per worker.")] = 256,
+    gpu_split: Annotated[int | None, typer.Option(
+        min=1, max=99, help="Partition the GPU's SMs with CUDA MPS: prefill workers get this percentage, decode "
+                            "workers the rest (tandem runs its own MPS daemon). Default: time-sharing.")] = None,
 ) -> None:
     """Start a gateway, N prefill and M decode workers (one process each), until Ctrl-C/SIGTERM."""
     from tandem.launcher import Stack, StackOptions
@@ -249,7 +256,7 @@ def up(
                            threads=threads, host=host, gateway_port=port, gateway_http_port=http_port,
                            num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, status_file=status_file,
                            kv_transport=kv_transport, gpu_memory_fraction=gpu_memory_fraction,
-                           max_num_seqs=max_num_seqs)
+                           max_num_seqs=max_num_seqs, gpu_split=gpu_split)
     raise typer.Exit(Stack(options).run(demo=demo, exit_after_demo=exit_after_demo))
 
 

@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.paths import tandem_home
+from tandem.mps import MpsDaemon
 from tandem.serving.rpc import TlsConfig
 
 
@@ -44,6 +45,8 @@ class StackOptions:
     kv_transport: str = "auto"
     gpu_memory_fraction: float | None = None
     max_num_seqs: int = 256
+    # SM share (%) of the prefill workers under CUDA MPS; decode workers get the rest. None: plain time-sharing.
+    gpu_split: int | None = None
 
 
 @dataclass
@@ -84,6 +87,7 @@ class Stack:
         self.options = options
         self.services: list[Service] = []
         self._stopping = False
+        self.mps = MpsDaemon(options.gpu_split) if options.gpu_split is not None else None
 
     def _plan(self) -> None:
         o = self.options
@@ -110,11 +114,13 @@ class Stack:
                 port, http_port = free_port(o.host), free_port(o.host)
                 address = f"{o.host}:{port}"
                 workers[role].append(address)
+                decode_flags = ["--kv-transport", o.kv_transport]
+                for peer in workers["prefill"]:  # the prefill workers it may pull from (planned first)
+                    decode_flags += ["--prefill", peer]
                 self.services.append(Service(
                     role, address, f"http://{o.host}:{http_port}",
                     base + [role, *common, *engine_flags, "--host", o.host, "--port", str(port),
-                            "--http-port", str(http_port)]
-                    + (["--kv-transport", o.kv_transport] if role == "decode" else []),
+                            "--http-port", str(http_port)] + (decode_flags if role == "decode" else []),
                     log_dir / f"{role}-{i}.log"))
         # Port 0 means "pick a free one": picked here, so that the launcher knows where the gateway listens.
         gateway_port = o.gateway_port or free_port(o.host)
@@ -133,6 +139,8 @@ class Stack:
 
     def _spawn(self, service: Service) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.mps is not None:
+            env.update(self.mps.env_for(service.role))
         with service.log_path.open("wb") as log:
             service.process = subprocess.Popen(service.command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                stdin=subprocess.DEVNULL)
@@ -146,6 +154,8 @@ class Stack:
 
         load_model_config(self.options.model)
         self._plan()
+        if self.mps is not None:
+            self.mps.start()
         gateway, workers = self.services[0], self.services[1:]
         with tqdm(total=len(self.services), desc="starting services", unit="svc", file=sys.stderr) as bar:
             for service in workers:
@@ -194,6 +204,8 @@ class Stack:
             except subprocess.TimeoutExpired:
                 service.process.kill()
                 service.process.wait()
+        if self.mps is not None:
+            self.mps.stop()
 
     def watch(self) -> None:
         """Until a signal: report (once) any service that died; the rest keep serving."""

@@ -6,8 +6,9 @@
 #   kernels  kernel tests (Triton vs references, fp32 and bf16) and the kernel benchmark
 #   engine   engine correctness vs the reference path, decode latency vs the HBM floor, offline throughput vs HF
 #   stack    the same burst through the offline engine and through `tandem up` (stack / engine)
-#   disagg   disaggregated vs colocated: the GPU stack tests (cuda-ipc, grpc), the prefill-worker forward vs a
-#            local prefill (spans), and `tandem bench serve` at several rates per mode
+#   disagg   disaggregated vs colocated: the GPU stack test (cuda-ipc and grpc give the same tokens), the
+#            prefill-worker forward vs a local prefill (`prefill_forward`), and `serve_modes` (the serve benchmark
+#            on a colocated, a time-shared and an MPS-partitioned stack; SPLIT_MODE=split:P picks P)
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
@@ -70,13 +71,13 @@ suite_stack() {
 }
 
 suite_disagg() {
-    step gpu-stack 150 $PY -m pytest -q -x -p no:cacheprovider tests/e2e/test_gpu_stack.py
-    step prefill-forward 150 $PY -m tandem.benchmarks.disagg_ttft --model "$BIG" --device "$DEVICE" \
-        --prompt-len "$(n 1024 64)" --num-requests "$(n 8 2)" --out "$OUT/prefill-forward.json"
-    for mode in colocated disagg; do
-        step "serve-$mode" 330 $PY -m tandem.benchmarks.serve_modes --mode "$mode" --model "$BIG" --device "$DEVICE" \
-            --rates "$(n 2,8,32 4)" --num-requests "$(n 64 4)" --prompt-len "fixed:$(n 1024 32)" \
-            --output-len "fixed:$(n 256 8)" --out "$OUT/serve-$mode.json"
+    step gpu-stack 170 $PY -m pytest -q -x -p no:cacheprovider tests/e2e/test_gpu_stack.py
+    step prefill-forward 120 $PY -m tandem.benchmarks.prefill_forward --model "$BIG" --device "$DEVICE" \
+        --prompt-len "$(n 1024 48)" --batches 1,4 --repeat "$(n 8 2)" --out "$OUT/prefill-forward.json"
+    for mode in colocated disagg ${SPLIT_MODE:-split:60}; do
+        step "serve-${mode/:/-}" 200 $PY -m tandem.benchmarks.serve_modes --mode "$mode" --model "$BIG" \
+            --device "$DEVICE" --max-num-seqs "$(n 64 8)" --rates "$(n 2,8,32 4)" --num-requests "$(n 48 4)" \
+            --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-${mode/:/-}.json"
     done
 }
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+KVLayer = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 
 
 @dataclass
@@ -19,3 +21,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
     context_lens: torch.Tensor | None = None  # [B] int32
     num_splits: int | None = None
+    # Prefill role: other pools the new tokens' K/V are also stored into as each layer runs (a decode worker's
+    # pool on the same GPU): (that pool's per-layer caches, a slot per token of this step, -1 where a token
+    # does not go there).
+    kv_mirrors: list[tuple[list[KVLayer], torch.Tensor]] = field(default_factory=list)

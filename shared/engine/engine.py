@@ -4,8 +4,9 @@ One engine serves every role:
 - colocated: `add_request` then `step()` until done (the offline `LLM`, and the decode worker's
   fallback when no prefill worker is reachable);
 - prefill: `add_request(prefill_only=True)`; the step samples the first token and holds the blocks;
-  the service reads the pages (`read_pages`, per layer as they are computed via `on_prefill_layer`)
-  and then `release`s the request;
+  the pages leave as each layer stores them: into a peer pool on the same GPU (`kv_mirror`: one more store per
+  layer, nothing afterwards), or through `on_prefill_step`'s per-layer hook (the service copies them out);
+  then the service `release`s the request;
 - decode: `add_request(remote_prefill=True)`: the scheduler reserves the prompt's blocks when it admits
   the request (first come, first served, with everything else waiting) and reports it in the step's
   `reserved`; the service fills them (`write_pages`, or a peer writes them directly), then `activate`s the
@@ -26,7 +27,7 @@ from tandem.common.errors import InvalidRequestError
 from tandem.common.sampling_params import SamplingParams
 from tandem.common.validation import validate_prompt
 from tandem.engine.block_pool import BlockPool
-from tandem.engine.request import Request, RequestStatus
+from tandem.engine.request import KVMirror, Request, RequestStatus
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, num_blocks_for
 
@@ -51,8 +52,9 @@ class Engine:
                                    config.model.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seed_source = random.Random(config.seed)
-        # Prefill role: called with (requests of the batch, layer index) once a layer's K/V is stored.
-        self.on_prefill_layer: Callable[[list[Request], int], None] | None = None
+        # Prefill role: called once per prefill step with its batch; returns what to call with each layer's index
+        # once that layer's K/V are stored (one hand-off per layer per step), or None when nothing is to export.
+        self.on_prefill_step: Callable[[list[Request]], Callable[[int], None] | None] | None = None
 
     # -- properties the services report -----------------------------------------------------------
     @property
@@ -105,11 +107,18 @@ class Engine:
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prefill_only: bool = False, output_token_ids: list[int] | None = None, *,
-                    remote_prefill: bool = False, local_prefill_reason: str = "local") -> Request:
+                    remote_prefill: bool = False, local_prefill_reason: str = "local",
+                    kv_mirror: KVMirror | None = None) -> Request:
         """Queue a request. `remote_prefill`: its pages will come from a prefill worker (decode role; `params.seed`
         must be the one that worker samples the first token with). `local_prefill_reason` labels the prompt
-        tokens if they are computed here."""
+        tokens if they are computed here. `kv_mirror` (prefill role): also store its K/V into those pages."""
         request = self.new_request(req_id, prompt_token_ids, params, prefill_only, output_token_ids)
+        if kv_mirror is not None:
+            needed = num_blocks_for(request.num_tokens, self.config.cache.block_size)
+            if len(kv_mirror.block_ids) != needed:
+                raise InvalidRequestError("target.block_ids", f"{len(kv_mirror.block_ids)} blocks for "
+                                                              f"{request.num_tokens} tokens; {needed} needed")
+            request.kv_mirror = kv_mirror
         request.remote_prefill = remote_prefill
         request.local_prefill_reason = local_prefill_reason
         self.requests[req_id] = request
@@ -133,17 +142,29 @@ class Engine:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
         hook = None
-        if output.is_prefill and self.on_prefill_layer is not None:
-            callback, batch = self.on_prefill_layer, output.requests
-
-            def hook(layer: int) -> None:
-                callback(batch, layer)
-
+        if output.is_prefill and self.on_prefill_step is not None:
+            hook = self.on_prefill_step(output.requests)
         token_ids, logprobs = self.runner.execute(output, hook)
         finished = self.scheduler.update_from_output(output, token_ids, logprobs)
         for request in finished:
             self.requests.pop(request.req_id, None)
         return StepResult(output.requests, finished, output.is_prefill, output.reserved)
+
+    def warm_up(self) -> None:
+        """Compile and load what the first requests would otherwise wait for: the prefill path (Triton kernels
+        specialise on lengths that are and are not multiples of 16), the sampler and, in every role, a release.
+        The decode path was warmed when its CUDA graphs were captured."""
+        vocab = self.config.model.vocab_size
+        for num_tokens in (16, 17):
+            if num_tokens >= self.max_model_len:
+                continue
+            req_id = f"warm-up-{num_tokens}"
+            prompt = [(7 * i + 1) % vocab for i in range(num_tokens)]
+            # Seeded: an unseeded request would draw from the engine's seed source and shift later requests' seeds.
+            self.add_request(req_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, seed=0), prefill_only=True)
+            while req_id in self.requests and self.requests[req_id].status is RequestStatus.WAITING:
+                self.step()
+            self.release(req_id)
 
     # -- prefill role -----------------------------------------------------------------------------------
     def read_pages(self, request: Request, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

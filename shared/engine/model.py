@@ -14,10 +14,8 @@ import torch
 from torch import nn
 
 from tandem.common.config import ModelConfig
-from tandem.engine.attention import AttentionMetadata
+from tandem.engine.attention import AttentionMetadata, KVLayer
 from tandem.kernels import Ops
-
-KVLayer = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, Hkv, D]
 
 
 class RMSNorm(nn.Module):
@@ -28,9 +26,10 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, layer_idx: int) -> None:
         super().__init__()
         self.ops = ops
+        self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -50,6 +49,10 @@ class LlamaAttention(nn.Module):
         q, k = self.ops.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        for peer_layers, peer_slots in meta.kv_mirrors:
+            # The same K/V straight into a decode worker's pages: one more store, no copy afterwards.
+            peer_k, peer_v = peer_layers[self.layer_idx]
+            self.ops.store_kv(k, v, peer_k, peer_v, peer_slots)
         if meta.is_prefill:
             assert meta.cu_seqlens is not None
             out = self.ops.prefill_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, self.scale)
@@ -72,10 +75,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, layer_idx: int) -> None:
         super().__init__()
         self.ops = ops
-        self.self_attn = LlamaAttention(config, ops)
+        self.self_attn = LlamaAttention(config, ops, layer_idx)
         self.mlp = LlamaMLP(config, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -100,7 +103,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, ops, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

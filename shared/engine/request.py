@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tandem.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.engine.attention import KVLayer
 
 
 class RequestStatus(enum.Enum):
@@ -26,6 +30,16 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED)
 
 
+@dataclass(frozen=True, eq=False)
+class KVMirror:
+    """Prefill role: another pool on this device that a request's K/V are stored into as each layer computes
+    them (a decode worker's pool mapped by CUDA IPC): `layers` are its per-layer caches (one list object per pool,
+    shared by the requests going there), `block_ids` the request's blocks in it, in order."""
+
+    layers: list[KVLayer]
+    block_ids: list[int]
+
+
 @dataclass(eq=False)
 class Request:
     req_id: str
@@ -35,6 +49,8 @@ class Request:
     seed: int
     # Prefill role: stop after the first token and hold the blocks for export.
     prefill_only: bool = False
+    # Prefill role: where else its K/V go (the receiver's pages on this GPU), if anywhere.
+    kv_mirror: KVMirror | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)

@@ -105,6 +105,7 @@ class ModelRunner:
             slot_mapping=self._to_device(slots, torch.int64),
             cu_seqlens=self._to_device(cu_seqlens, torch.int32),
             max_seqlen=max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:], strict=False)),
+            kv_mirrors=self._mirror_slots(requests, cu_seqlens),
         )
         hidden = self.model(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
                             self.kv_layers, meta, self.cos_sin, on_layer_done)
@@ -152,9 +153,24 @@ class ModelRunner:
         return choose_num_splits(num_seqs, self.config.model.num_key_value_heads, self.max_model_len,
                                  self.num_sms)
 
-    def _slots(self, request: Request, start: int, end: int) -> list[int]:
+    def _slots(self, request: Request, start: int, end: int, block_ids: list[int] | None = None) -> list[int]:
         bs = self.block_size
-        return [request.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+        blocks = request.block_ids if block_ids is None else block_ids
+        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _mirror_slots(self, requests: list[Request], cu_seqlens: list[int]
+                      ) -> list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]:
+        """Per mirrored pool, the slot of each of this step's tokens in it (-1 for tokens going elsewhere): one
+        more store per layer per pool, built once per step (no per-layer host work)."""
+        by_pool: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]] = {}
+        for i, request in enumerate(requests):
+            mirror = request.kv_mirror
+            if mirror is None:
+                continue
+            _, slots = by_pool.setdefault(id(mirror.layers), (mirror.layers, [-1] * cu_seqlens[-1]))
+            start, end = cu_seqlens[i], cu_seqlens[i + 1]
+            slots[start:end] = self._slots(request, 0, end - start, mirror.block_ids)
+        return [(layers, self._to_device(slots, torch.int64)) for layers, slots in by_pool.values()]
 
     def _host(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         tensor = torch.tensor(values, dtype=dtype)

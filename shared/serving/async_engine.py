@@ -93,11 +93,8 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._stopping = False
         self._wake = threading.Event()
-        # Prefill role: called on the engine thread after each layer of a prefill batch.
-        self.on_prefill_layer: Callable[[list[Request], int], None] | None = None
         # Called on the engine thread after each step, before its tokens are published (metrics, traces).
         self.on_step: Callable[[StepResult, float], None] | None = None
-        engine.on_prefill_layer = self._prefill_layer
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -191,10 +188,6 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
-    def _prefill_layer(self, requests: list[Request], layer: int) -> None:
-        if self.on_prefill_layer is not None:
-            self.on_prefill_layer(requests, layer)
-
     def _run(self) -> None:
         while not self._stopping:
             self._wake.clear()
@@ -220,6 +213,10 @@ class AsyncEngine:
             if self.on_step is not None:
                 self.on_step(result, seconds)
             self._publish_step(result, seconds)
+            if not result.requests and not result.reserved:
+                # Nothing could run (every waiting request needs blocks that receiving requests hold): wait for a
+                # command (pages, an activation, an abort) instead of spinning.
+                self._wake.wait(timeout=0.05)
 
 
     def _fail_all(self, error: Exception) -> None:

@@ -1,5 +1,5 @@
-"""The cuda-ipc KV transport: a prefill worker writes pages straight into a decode worker's pool on the
-same GPU, through a CUDA IPC mapping of that pool opened once per peer.
+"""The cuda-ipc KV transport: a prefill worker stores pages straight into a decode worker's pool on the same
+GPU (its forward stores each layer's K/V there too), through a CUDA IPC mapping of that pool opened once per peer.
 
 Choice (decode side, per prefill peer): cuda-ipc when both pools live on the same GPU (equal UUIDs) and
 the prefill worker manages to open the handle (a test open: containers without a shared IPC namespace
@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from tandem.common.config import KVLayout
-from tandem.common.errors import KVTransportError
+from tandem.common.errors import PoolOpenError
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -102,13 +102,13 @@ class ExportedPool:
 
 
 def check_pool_handle(handle: PoolHandle, layout: KVLayout, device: torch.device) -> None:
-    """Raise KVTransportError unless `handle` is well-formed for a pool of `layout` on `device`."""
+    """Raise PoolOpenError unless `handle` is well-formed for a pool of `layout` on `device`."""
     problems = []
     if device.type != "cuda" or handle.gpu_uuid != gpu_uuid(device):
         problems.append(f"gpu_uuid {handle.gpu_uuid!r} is not this worker's GPU")
     if len(handle.memory_handle) != IPC_HANDLE_SIZE:
         problems.append(f"memory_handle is {len(handle.memory_handle)} bytes, not {IPC_HANDLE_SIZE}")
-    if handle.event_handle and len(handle.event_handle) != IPC_HANDLE_SIZE:
+    if (handle.event_handle or handle.event_sync_required) and len(handle.event_handle) != IPC_HANDLE_SIZE:
         problems.append(f"event_handle is {len(handle.event_handle)} bytes, not {IPC_HANDLE_SIZE}")
     if handle.num_blocks < 1:
         problems.append("num_blocks must be >= 1")
@@ -123,12 +123,12 @@ def check_pool_handle(handle: PoolHandle, layout: KVLayout, device: torch.device
     if not 0 <= handle.ref_counter_offset < _REF_COUNTER_SLOTS:
         problems.append(f"ref_counter_offset {handle.ref_counter_offset} is out of range")
     if problems:
-        raise KVTransportError("cuda-ipc: invalid pool handle (" + "; ".join(problems) + ")")
+        raise PoolOpenError("cuda-ipc: invalid pool handle (" + "; ".join(problems) + ")")
 
 
 def open_pool(handle: PoolHandle, layout: KVLayout, device: torch.device) -> torch.Tensor:
     """The prefill side: map a peer's pool, [L, 2, num_blocks, B, Hkv, D] in the layout's dtype, after
-    checking the handle. Raises KVTransportError when it is malformed or cannot be opened."""
+    checking the handle. Raises PoolOpenError when it is malformed or cannot be opened."""
     check_pool_handle(handle, layout, device)
     torch.cuda._lazy_init()
     try:
@@ -137,13 +137,9 @@ def open_pool(handle: PoolHandle, layout: KVLayout, device: torch.device) -> tor
             handle.storage_size_bytes, handle.storage_offset_bytes, handle.ref_counter_handle.encode(),
             handle.ref_counter_offset, handle.event_handle or None, handle.event_sync_required)
     except RuntimeError as error:
-        raise KVTransportError(f"cuda-ipc: cannot open the peer's pool handle ({error})") from None
+        raise PoolOpenError(f"cuda-ipc: cannot open the peer's pool handle ({error})") from None
+    dtype = getattr(torch, layout.dtype)
     shape = (layout.num_layers, 2, handle.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return torch.empty(0, dtype=getattr(torch, layout.dtype), device=device).set_(storage).view(shape)
-
-
-def copy_layer(src: torch.Tensor, src_blocks: torch.Tensor, dst: torch.Tensor, dst_blocks: torch.Tensor,
-               layer: int) -> None:
-    """dst[layer, :, dst_blocks] = src[layer, :, src_blocks] for pools [L, 2, N, B, Hkv, D], on the
-    current stream (the same one the forward runs on, so the pages are complete when copied)."""
-    dst[layer].index_copy_(1, dst_blocks, src[layer].index_select(1, src_blocks))
+    numel = handle.storage_size_bytes // torch.empty(0, dtype=dtype).element_size()
+    flat = torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))  # type: ignore[call-overload]
+    return flat.view(shape)

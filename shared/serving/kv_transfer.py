@@ -7,6 +7,7 @@ so that each message stays well under the channel's message-size limit.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -77,12 +78,14 @@ def messages_to_pages(message: worker_pb2.KVPages, layout: KVLayout) -> tuple[to
 
 
 class PageExporter:
-    """One layer's pages of a request → `KVPages` messages, without holding up the engine thread.
+    """The pages of a prefill step's requests → `KVPages` messages, layer by layer, without holding up the
+    engine thread: one hand-off per layer per step, whatever the number of requests.
 
-    On a GPU the gather and the device→host copy (into pinned memory) are queued on a side stream behind
-    an event of the compute stream, so the engine goes on launching the next layer while this one's pages
-    come down; bytes and CRC32s are then made on one worker thread, in submission order, once the copy
-    has landed. On a CPU the pages are gathered at once and the rest is done on the worker thread.
+    `begin_step` (once per step) puts the step's block ids on the device in one copy; then, per layer, the
+    gather of every request's K and V pages and one device→host copy into a reusable pinned buffer are queued on
+    a side stream behind an event of the compute stream, so the engine goes on launching the next layer while
+    this one's pages come down. Bytes, CRC32s and messages are made on one worker thread, in submission order,
+    once the copy has landed. On a CPU the gather happens at once and the rest on the worker thread.
     `cache` is the pool, [layers, 2, blocks, block_size, kv_heads, head_dim].
     """
 
@@ -90,30 +93,41 @@ class PageExporter:
         self.cache = cache
         self.stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-export")
+        # Pinned staging buffers by capacity in blocks (a power of two), handed back by the worker thread.
+        self._staging: dict[int, list[torch.Tensor]] = {}
+        self._staging_lock = threading.Lock()
 
-    def submit(self, layer: int, block_ids: list[int],
-               deliver: Callable[[list[worker_pb2.KVPages]], None]) -> None:
-        """Engine thread, once `layer` has stored its K/V (queued on the current stream): `deliver(messages)`
-        runs on the worker thread when they are ready."""
+    def begin_step(self, requests: list[tuple[str, list[int]]],
+                   deliver: Callable[[str, list[worker_pb2.KVPages]], None]) -> Callable[[int], None]:
+        """Engine thread, before the step's forward: `requests` are (request id, block ids). Returns what to call
+        with each layer's index once it has stored its K/V (queued on the current stream); `deliver(req_id,
+        messages)` then runs on the worker thread with that request's messages of that layer."""
+        block_ids = [b for _, blocks in requests for b in blocks]
+        spans, start = [], 0
+        for req_id, blocks in requests:
+            spans.append((req_id, start, len(blocks)))
+            start += len(blocks)
         index = torch.tensor(block_ids, dtype=torch.int64)
-        done: torch.cuda.Event | None = None
-        if self.stream is None:
-            k, v = self.cache[layer, 0, index], self.cache[layer, 1, index]
-        else:
-            computed = torch.cuda.Event()
-            computed.record()
-            shape = (len(block_ids), *self.cache.shape[3:])
-            k = torch.empty(shape, dtype=self.cache.dtype, pin_memory=True)
-            v = torch.empty(shape, dtype=self.cache.dtype, pin_memory=True)
-            index = index.pin_memory()
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(computed)
-                on_device = index.to(self.cache.device, non_blocking=True)
-                k.copy_(self.cache[layer, 0].index_select(0, on_device), non_blocking=True)
-                v.copy_(self.cache[layer, 1].index_select(0, on_device), non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.stream)
-        self._worker.submit(self._deliver, layer, k, v, done, deliver)
+        if self.stream is not None:
+            index = index.pin_memory().to(self.cache.device, non_blocking=True)
+            index.record_stream(self.stream)  # read on the side stream after this step's tensors are released
+
+        def layer_done(layer: int) -> None:
+            done: torch.cuda.Event | None = None
+            if self.stream is None:
+                pages = self.cache[layer].index_select(1, index)  # [2, n, block_size, Hkv, D]
+            else:
+                computed = torch.cuda.Event()
+                computed.record()
+                pages = self._take_staging(len(block_ids))
+                with torch.cuda.stream(self.stream):
+                    self.stream.wait_event(computed)
+                    pages.copy_(self.cache[layer].index_select(1, index), non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(self.stream)
+            self._worker.submit(self._deliver, layer, pages, done, spans, deliver)
+
+        return layer_done
 
     def flush(self) -> Future[None]:
         """Done once everything submitted before has been delivered."""
@@ -122,12 +136,30 @@ class PageExporter:
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
-    @staticmethod
-    def _deliver(layer: int, k: torch.Tensor, v: torch.Tensor, done: torch.cuda.Event | None,
-                 deliver: Callable[[list[worker_pb2.KVPages]], None]) -> None:
+    def _take_staging(self, num_blocks: int) -> torch.Tensor:
+        capacity = 1 << max(0, num_blocks - 1).bit_length()
+        with self._staging_lock:
+            free = self._staging.get(capacity)
+            buffer = free.pop() if free else None
+        if buffer is None:
+            buffer = torch.empty((2, capacity, *self.cache.shape[3:]), dtype=self.cache.dtype, pin_memory=True)
+        return buffer[:, :num_blocks]
+
+    def _give_back(self, pages: torch.Tensor) -> None:
+        base = pages._base if pages._base is not None else pages
+        with self._staging_lock:
+            self._staging.setdefault(base.shape[1], []).append(base)
+
+    def _deliver(self, layer: int, pages: torch.Tensor, done: torch.cuda.Event | None,
+                 spans: list[tuple[str, int, int]], deliver: Callable[[str, list[worker_pb2.KVPages]], None]) -> None:
         try:
             if done is not None:
                 done.synchronize()
-            deliver(list(pages_to_messages(layer, k, v)))
+            for req_id, start, num_blocks in spans:
+                k, v = pages[0, start:start + num_blocks], pages[1, start:start + num_blocks]
+                deliver(req_id, list(pages_to_messages(layer, k, v)))
         except Exception:  # the request's stream then ends without these pages: the receiver sees a short transfer
             log.exception("exporting KV pages of layer %d failed", layer)
+        finally:
+            if done is not None:
+                self._give_back(pages)

@@ -18,8 +18,11 @@ from tandem.v1 import worker_pb2
 
 
 def start_engine(config: EngineConfig, role: str) -> AsyncEngine:
-    """The worker's engine on its own thread, its pool and queue read by `/metrics` at scrape time."""
-    engine = AsyncEngine(Engine(config), name=f"{role}-engine")
+    """The worker's engine, warmed up (kernels compiled before the worker reports healthy), on its own thread; its
+    pool and queue read by `/metrics` at scrape time."""
+    core = Engine(config)
+    core.warm_up()
+    engine = AsyncEngine(core, name=f"{role}-engine")
     metrics.track_pool(lambda: engine.engine.num_total_blocks, lambda: engine.engine.num_free_blocks,
                        lambda: engine.engine.scheduler.num_queued)
     return engine

@@ -72,10 +72,9 @@ async def generate(decode: Worker, request: worker_pb2.DecodeRequest) -> tuple[l
     """Token ids of one decode stream, and how many prompt tokens decode prefilled itself."""
     stub = worker_pb2_grpc.DecodeStub(make_channel(decode.address))
     tokens: list[int] = []
-    local = -1
+    local = 0
     async for response in stub.Generate(request):
-        if local < 0:
-            local = response.num_local_prefill_tokens
+        local += response.num_local_prefill_tokens  # computed since the previous message
         tokens += response.token_ids
     return tokens, local
 

@@ -21,16 +21,21 @@ def test_pages_arrive_in_order_and_equal_a_direct_read(device: str) -> None:
     # [layers, K/V, blocks, block_size, kv_heads, head_dim]; bf16, as served on a GPU.
     cache = torch.randn(3, 2, 20, 4, 3, 8, device=device).to(torch.bfloat16)
     exporter = PageExporter(cache)
-    delivered: list[tuple[int, list[worker_pb2.KVPages], str]] = []
-    block_ids = [7, 2, 19, 3]  # out of order, as a pool hands them out
-    for layer in range(3):
-        exporter.submit(layer, block_ids, lambda messages, layer=layer: delivered.append(
-            (layer, messages, threading.current_thread().name)))
+    delivered: list[tuple[str, int, list[worker_pb2.KVPages], str]] = []
+    # Two requests of one step; blocks out of order, as a pool hands them out.
+    requests = [("a", [7, 2, 19, 3]), ("b", [11])]
+    for _ in range(2):  # two steps: the second reuses the first one's staging buffers
+        layer_done = exporter.begin_step(requests, lambda req_id, messages: delivered.append(
+            (req_id, messages[0].layer, messages, threading.current_thread().name)))
+        for layer in range(3):
+            layer_done(layer)
     exporter.flush().result(timeout=30)
     exporter.close()
-    assert [layer for layer, _, _ in delivered] == [0, 1, 2]
-    assert all(name.startswith("kv-export") for _, _, name in delivered)
-    index = torch.tensor(block_ids, device=device)
-    for layer, messages, _ in delivered:
+    assert [(req_id, layer) for req_id, layer, _, _ in delivered] == [
+        (req_id, layer) for _ in range(2) for layer in range(3) for req_id in ("a", "b")]
+    assert all(name.startswith("kv-export") for _, _, _, name in delivered)
+    blocks = dict(requests)
+    for req_id, layer, messages, _ in delivered:
+        index = torch.tensor(blocks[req_id], device=device)
         expected = list(pages_to_messages(layer, cache[layer, 0, index].cpu(), cache[layer, 1, index].cpu()))
         assert messages == expected

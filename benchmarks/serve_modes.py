@@ -1,0 +1,121 @@
+"""Serving one model in one deployment mode, then the same Poisson load on it (`tandem bench serve`).
+
+    python -m tandem.benchmarks.serve_modes --mode colocated --model dummy:llama-3.1-8b --device cuda \\
+        --rates 2,8,32 --num-requests 64 --prompt-len fixed:1024 --output-len fixed:256 --out serve-colocated.json
+
+Modes, all on one machine (and one GPU):
+- `colocated`: one decode worker that prefills its own prompts (no prefill worker);
+- `disagg`: one prefill and one decode worker time-sharing the GPU (cuda-ipc handoff on a GPU);
+- `split:P`: the same, with the GPU's SMs partitioned by CUDA MPS: P% to prefill (`tandem up --gpu-split P`).
+
+Writes the serve benchmark's JSON (TTFT, TPOT, ITL, e2e percentiles, throughput, goodput per rate) with the mode,
+the stack's first-request TTFT (cold) against the steady-state median, and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tandem.launcher import free_port
+
+
+def stack_command(mode: str, model: str, device: str, port: int, http_port: int, status: Path,
+                  max_num_seqs: int) -> list[str]:
+    command = [sys.executable, "-m", "tandem.cli", "up", "--model", model, "--device", device, "--decode", "1",
+               "--port", str(port), "--http-port", str(http_port), "--status-file", str(status),
+               "--max-num-seqs", str(max_num_seqs)]
+    if mode == "colocated":
+        return command + ["--prefill", "0"]
+    if mode == "disagg":
+        return command + ["--prefill", "1"]
+    if mode.startswith("split:"):
+        return command + ["--prefill", "1", "--gpu-split", mode.removeprefix("split:")]
+    raise SystemExit(f"--mode: colocated, disagg or split:P, got {mode!r}")
+
+
+def first_request_ttft(address: str, prompt_len: int, repeats: int = 5) -> dict[str, float]:
+    """TTFT of the stack's very first request (cold), then the median of a few more (warm), one at a time."""
+    import grpc
+
+    from tandem.v1 import generation_pb2, generation_pb2_grpc
+
+    stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
+    times = []
+    for i in range(1 + repeats):
+        ids = [(17 * i + 3 * j) % 1000 + 10 for j in range(prompt_len)]
+        request = generation_pb2.GenerateRequest(prompt_token_ids=generation_pb2.TokenIds(ids=ids),
+                                                 sampling=generation_pb2.SamplingParams(max_tokens=2, temperature=0))
+        start = time.perf_counter()
+        for _ in stub.Generate(request, timeout=120):
+            times.append(time.perf_counter() - start)
+            break
+    warm = sorted(times[1:])[len(times[1:]) // 2]
+    return {"first_s": times[0], "steady_median_s": warm, "first_over_steady": times[0] / warm}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", required=True)
+    parser.add_argument("--model", default="dummy:tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rates", default="2,8,32")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", default="fixed:1024")
+    parser.add_argument("--output-len", default="fixed:256")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--ttft-slo", type=float, default=0.2)
+    parser.add_argument("--tpot-slo", type=float, default=0.05)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    from tandem.benchmarks.serve import run
+
+    port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    status = Path(tempfile.mkdtemp(prefix="tandem-serve-")) / "status.json"
+    log = args.out.with_suffix(".stack.log")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as log_file:
+        stack = subprocess.Popen(stack_command(args.mode, args.model, args.device, port, http_port, status,
+                                               args.max_num_seqs),
+                                 stdout=log_file, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        started = time.monotonic()
+        while not status.exists():
+            if stack.poll() is not None:
+                raise SystemExit(f"the stack exited with {stack.returncode}; see {log}")
+            if time.monotonic() - started > 600:
+                raise SystemExit(f"the stack did not start in 600 s; see {log}")
+            time.sleep(0.5)
+        startup_s = time.monotonic() - started
+        address = f"127.0.0.1:{port}"
+        prompt_tokens = int(args.prompt_len.split(":")[1])
+        cold = first_request_ttft(address, prompt_tokens)
+        results = run(address, [float(r) for r in args.rates.split(",")], args.num_requests, args.prompt_len,
+                      args.output_len, args.ttft_slo, args.tpot_slo, 0, 600.0, None, None, args.mode)
+    finally:
+        stack.send_signal(signal.SIGTERM)
+        try:
+            stack.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            stack.kill()
+    report: dict[str, Any] = {
+        "benchmark": "serve_modes", "mode": args.mode, "model": args.model, "device": args.device,
+        "prompt_len": args.prompt_len, "output_len": args.output_len, "num_requests": args.num_requests,
+        "ttft_slo_s": args.ttft_slo, "tpot_slo_s": args.tpot_slo, "stack_startup_s": startup_s,
+        "first_request": cold, "results": results}
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{args.mode}: stack up in {startup_s:.1f} s; first request TTFT {cold['first_s'] * 1e3:.1f} ms, "
+          f"steady {cold['steady_median_s'] * 1e3:.1f} ms ({cold['first_over_steady']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

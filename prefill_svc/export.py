@@ -1,0 +1,75 @@
+"""How a prefill worker's pages leave it.
+
+- cuda-ipc (the receiver's pool on this GPU): the pool is mapped once (`open_pool`, from a validated
+  `CudaIpcPool`), and each request carries a `KVMirror` of its target blocks: the forward stores every layer's
+  K/V there too, one more store per layer per pool, so nothing is copied afterwards and no host work is done per
+  layer. The first token is sampled after the step's host sync, so its arrival proves the pages are in place.
+- grpc (anywhere else): one hand-off per layer per step to the `PageExporter`, which copies the step's pages to
+  pinned host memory on a side stream and makes the messages on its own thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tandem.common.errors import InvalidRequestError, UnknownPoolError
+from tandem.engine.attention import KVLayer
+from tandem.engine.request import KVMirror, Request
+from tandem.serving.async_engine import AsyncEngine
+from tandem.serving.kv_ipc import PoolHandle, open_pool
+from tandem.serving.kv_transfer import PageExporter
+from tandem.v1 import worker_pb2
+
+
+@dataclass
+class PagesEvent:
+    """One layer's pages of one request, already on the host (handed to the request's stream)."""
+
+    layer: int
+    messages: list[worker_pb2.KVPages]
+
+
+class PageExport:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        # cuda-ipc: peers' pools mapped once, pool id → per-layer caches.
+        self._pools: dict[str, list[KVLayer]] = {}
+        self.exporter = PageExporter(engine.engine.runner.kv_cache.tensor)
+        engine.engine.on_prefill_step = self.on_prefill_step
+
+    def open_pool(self, pool_id: str, handle: PoolHandle) -> None:
+        """Map a receiver's pool (raises PoolOpenError when it cannot be); a pool mapped already is kept."""
+        if pool_id in self._pools:
+            return
+        engine = self.engine.engine
+        pool = open_pool(handle, engine.layout, engine.runner.device)
+        self._pools[pool_id] = [(pool[i, 0], pool[i, 1]) for i in range(pool.shape[0])]
+
+    def mirror(self, target: worker_pb2.KVTarget) -> KVMirror:
+        """Where a cuda-ipc request's pages go; maps the pool first if the target carries its handle."""
+        if target.HasField("pool"):
+            self.open_pool(target.pool_id, PoolHandle.from_proto(target.pool))
+        layers = self._pools.get(target.pool_id)
+        if layers is None:
+            raise UnknownPoolError(f"cuda-ipc: unknown pool {target.pool_id}; send its handle")
+        num_blocks = layers[0][0].shape[0]
+        if any(b >= num_blocks for b in target.block_ids):
+            raise InvalidRequestError("target.block_ids", f"a block id is outside the pool's {num_blocks} blocks")
+        return KVMirror(layers, list(target.block_ids))
+
+    def on_prefill_step(self, requests: list[Request]) -> Callable[[int], None] | None:
+        """Engine thread, before a prefill step's forward: the per-layer hand-off of the requests that go by
+        bytes (None when every request of the step is mirrored)."""
+        exported = [(r.req_id, list(r.block_ids)) for r in requests if r.kv_mirror is None and r.prefill_only]
+        if not exported:
+            return None
+        return self.exporter.begin_step(exported, self._deliver)
+
+    def _deliver(self, req_id: str, messages: list[worker_pb2.KVPages]) -> None:
+        """Exporter thread: one layer's messages of one request, to its stream."""
+        if messages:
+            self.engine.post_event(req_id, PagesEvent(messages[0].layer, messages))
+
+    def close(self) -> None:
+        self.exporter.close()
