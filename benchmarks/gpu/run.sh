@@ -71,14 +71,20 @@ suite_stack() {
 }
 
 suite_disagg() {
-    step gpu-stack 170 $PY -m pytest -q -x -p no:cacheprovider tests/e2e/test_gpu_stack.py
-    step prefill-forward 120 $PY -m tandem.benchmarks.prefill_forward --model "$BIG" --device "$DEVICE" \
+    # Most important first: a call cut short by its time limit still returns what finished.
+    step prefill-forward 100 $PY -m tandem.benchmarks.prefill_forward --model "$BIG" --device "$DEVICE" \
         --prompt-len "$(n 1024 48)" --batches 1,4 --repeat "$(n 8 2)" --out "$OUT/prefill-forward.json"
-    for mode in colocated disagg ${SPLIT_MODE:-split:60}; do
-        step "serve-${mode/:/-}" 200 $PY -m tandem.benchmarks.serve_modes --mode "$mode" --model "$BIG" \
-            --device "$DEVICE" --max-num-seqs "$(n 64 8)" --rates "$(n 2,8,32 4)" --num-requests "$(n 48 4)" \
-            --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-${mode/:/-}.json"
-    done
+    serve_mode colocated 150
+    serve_mode disagg 170
+    step gpu-stack 120 $PY -m pytest -q -x -p no:cacheprovider tests/e2e/test_gpu_stack.py
+    serve_mode "${SPLIT_MODE:-split:60}" 150
+}
+
+serve_mode() {  # MODE TIMEOUT_S
+    local mode=$1 name="serve-${1/:/-}"
+    step "$name" "$2" $PY -m tandem.benchmarks.serve_modes --mode "$mode" --model "$BIG" --device "$DEVICE" \
+        --max-num-seqs "$(n 64 8)" --rates "$(n 2,8,32 4)" --num-requests "$(n 48 4)" \
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/$name.json"
 }
 
 for suite in "$@"; do
