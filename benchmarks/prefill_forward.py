@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,7 +32,7 @@ from tandem.common.sampling_params import SamplingParams
 from tandem.engine.engine import Engine
 from tandem.engine.request import KVMirror
 from tandem.models import load_model_config
-from tandem.serving.kv_transfer import PageExporter
+from tandem.serving.kv_transfer import EXPORT_SWITCH_INTERVAL_S, PageExporter
 
 
 def _sync(device: torch.device) -> None:
@@ -81,7 +82,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=8)
     parser.add_argument("--num-kv-blocks", type=int, default=1024)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--switch-interval", type=float, default=EXPORT_SWITCH_INTERVAL_S,
+                        help="GIL switch interval (s), as the prefill worker sets it; Python's default is 0.005")
     args = parser.parse_args()
+    sys.setswitchinterval(args.switch_interval)
 
     batches = [int(b) for b in args.batches.split(",")]
     max_len = max(args.prompt_len + 16, 64)
@@ -115,7 +119,7 @@ def main() -> None:
               "model": args.model, "device": args.device,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "",
               "versions": {"tandem": tandem.__version__, "torch": torch.__version__},
-              "repeat": args.repeat, "results": rows}
+              "repeat": args.repeat, "switch_interval_s": args.switch_interval, "results": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{'batch':>5} {'local ms':>9} {'mirror ms':>10} {'grpc ms':>8} {'export done':>12} {'mirror/local':>13} "

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+
 import grpc
 
 from tandem.common.config import EngineConfig
 from tandem.prefill_svc.servicer import PrefillServicer
+from tandem.serving.kv_transfer import EXPORT_SWITCH_INTERVAL_S
 from tandem.serving.service import ServiceOptions, run_service
 from tandem.serving.worker import new_worker_id, start_engine, worker_record
 from tandem.v1 import worker_pb2_grpc
 
 
 async def serve(service: ServiceOptions, config: EngineConfig, model_name: str) -> None:
+    sys.setswitchinterval(EXPORT_SWITCH_INTERVAL_S)  # the page exporter's thread shares the GIL with the engine's
     engine = start_engine(config, "prefill")
     servicer = PrefillServicer(engine, model_name)
     worker_id = new_worker_id("prefill")

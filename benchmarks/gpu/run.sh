@@ -70,6 +70,18 @@ suite_stack() {
         --out "$OUT/stack-overhead.json"
 }
 
+# After a fix of the cuda-ipc handle: the stack test, the forward (also at Python's default switch interval) and
+# the time-shared stack again.
+suite_disagg_recheck() {
+    step gpu-stack 120 $PY -m pytest -q -x -p no:cacheprovider tests/e2e/test_gpu_stack.py
+    step prefill-forward 80 $PY -m tandem.benchmarks.prefill_forward --model "$BIG" --device "$DEVICE" \
+        --prompt-len "$(n 1024 48)" --batches 1,4 --repeat "$(n 6 2)" --out "$OUT/prefill-forward.json"
+    step prefill-forward-5ms 80 $PY -m tandem.benchmarks.prefill_forward --model "$BIG" --device "$DEVICE" \
+        --prompt-len "$(n 1024 48)" --batches 1 --repeat "$(n 6 2)" --switch-interval 0.005 \
+        --out "$OUT/prefill-forward-5ms.json"
+    serve_mode disagg 170
+}
+
 suite_disagg() {
     # Most important first: a call cut short by its time limit still returns what finished.
     step prefill-forward 100 $PY -m tandem.benchmarks.prefill_forward --model "$BIG" --device "$DEVICE" \
@@ -89,7 +101,7 @@ serve_mode() {  # MODE TIMEOUT_S
 
 for suite in "$@"; do
     if ! declare -F "suite_$suite" > /dev/null; then
-        echo "unknown suite $suite (kernels, engine, stack, disagg)"; exit 2
+        echo "unknown suite $suite (kernels, engine, stack, disagg, disagg_recheck)"; exit 2
     fi
     "suite_$suite"
 done

@@ -51,6 +51,11 @@ def choose_transport(preference: str, my_uuid: str, peer_uuid: str, peer_transpo
 
 # cudaIpcMemHandle_t and cudaIpcEventHandle_t are 64 opaque bytes (CUDA_IPC_HANDLE_SIZE).
 IPC_HANDLE_SIZE = 64
+# torch's caching allocator wraps a cudaMalloc block's handle as: a version byte (2 up to torch 2.12, 3 from 2.13),
+# the type byte b"c" (SHAREABLE_CUDA_MALLOC), the 64-byte handle. Only that type is accepted: an expandable
+# segment's handle (b"e") names file descriptors of another process, and such pools go by grpc instead.
+_SHAREABLE_VERSIONS = (2, 3)
+_SHAREABLE_CUDA_MALLOC = ord("c")
 # torch names the shared-memory file of its IPC reference counters "/torch_<pid>_<random>_<counter>", and
 # each file holds CUDA_IPC_REF_COUNTER_FILE_SIZE (10,000) counters.
 _REF_COUNTER_HANDLE = re.compile(r"/torch_\d{1,10}_\d{1,20}_\d{1,20}")
@@ -106,8 +111,8 @@ def check_pool_handle(handle: PoolHandle, layout: KVLayout, device: torch.device
     problems = []
     if device.type != "cuda" or handle.gpu_uuid != gpu_uuid(device):
         problems.append(f"gpu_uuid {handle.gpu_uuid!r} is not this worker's GPU")
-    if len(handle.memory_handle) != IPC_HANDLE_SIZE:
-        problems.append(f"memory_handle is {len(handle.memory_handle)} bytes, not {IPC_HANDLE_SIZE}")
+    if not _is_cuda_malloc_handle(handle.memory_handle):
+        problems.append(f"memory_handle ({len(handle.memory_handle)} bytes) is not a cudaMalloc block's IPC handle")
     if (handle.event_handle or handle.event_sync_required) and len(handle.event_handle) != IPC_HANDLE_SIZE:
         problems.append(f"event_handle is {len(handle.event_handle)} bytes, not {IPC_HANDLE_SIZE}")
     if handle.num_blocks < 1:
@@ -124,6 +129,14 @@ def check_pool_handle(handle: PoolHandle, layout: KVLayout, device: torch.device
         problems.append(f"ref_counter_offset {handle.ref_counter_offset} is out of range")
     if problems:
         raise PoolOpenError("cuda-ipc: invalid pool handle (" + "; ".join(problems) + ")")
+
+
+def _is_cuda_malloc_handle(memory_handle: bytes) -> bool:
+    """A raw cudaIpcMemHandle_t, or torch's versioned wrapping of one (see _SHAREABLE_VERSIONS)."""
+    if len(memory_handle) == IPC_HANDLE_SIZE:
+        return True
+    return (len(memory_handle) == IPC_HANDLE_SIZE + 2 and memory_handle[0] in _SHAREABLE_VERSIONS
+            and memory_handle[1] == _SHAREABLE_CUDA_MALLOC)
 
 
 def open_pool(handle: PoolHandle, layout: KVLayout, device: torch.device) -> torch.Tensor:

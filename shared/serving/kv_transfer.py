@@ -21,8 +21,12 @@ from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
-# Each KVPages message carries at most this many bytes of K plus V.
-MAX_CHUNK_BYTES = 4 * 1024 * 1024
+# Each KVPages message carries at most this many bytes of K plus V. Kept small so that the exporter thread holds
+# the GIL only briefly per copy (making bytes and messages does not release it).
+MAX_CHUNK_BYTES = 1024 * 1024
+# The GIL switch interval (s) of a process that exports pages: the exporter thread's copies would otherwise keep
+# the engine thread from launching the next layer's kernels for up to Python's default 5 ms at a time.
+EXPORT_SWITCH_INTERVAL_S = 0.0005
 
 
 def check_layout(mine: KVLayout, theirs: KVLayout) -> None:

@@ -52,6 +52,20 @@ def test_handle_fields_are_checked_and_named() -> None:
         assert name in message, (name, message)
 
 
+def test_torch_wrapped_cuda_malloc_handles_are_accepted_and_others_not() -> None:
+    """torch wraps the 64-byte handle as version byte + b"c" + handle (seen on an H200 with torch 2.11: the
+    strict 64-byte check refused every real pool); an expandable segment's b"e" handle is refused."""
+    good = _good_handle()
+    layout_ok = LAYOUT
+    for memory_handle, accepted in ((b"\2c" + b"\0" * 64, True), (b"\3c" + b"\0" * 64, True),
+                                    (b"\0" * 64, True), (b"\2e" + b"\0" * 64, False),
+                                    (rb"\9c" + b"\0" * 64, False), (b"\2c" + b"\0" * 63, False)):
+        handle = PoolHandle(**{**good.__dict__, "memory_handle": memory_handle})
+        with pytest.raises(KVTransportError) as caught:
+            check_pool_handle(handle, layout_ok, torch.device("cpu"))  # the CPU fails the GPU check in any case
+        assert ("memory_handle" in str(caught.value)) == (not accepted), memory_handle[:2]
+
+
 def test_handle_round_trips_through_its_message() -> None:
     handle = _good_handle()
     assert PoolHandle.from_proto(handle.to_proto()) == handle
