@@ -5,6 +5,11 @@ kv head, loading every KV tile once for all the query heads of its GQA group, an
 softmax. Phase 2 (only when num_splits > 1), grid (S, Hq): combine the splits' partial results by
 their log-sum-exp. Splitting the context keeps the GPU busy when S * Hkv is small (batch 1, long
 context), where one program per (sequence, kv head) would leave most SMs idle.
+
+FP8 cache (float8_e4m3fn pages with static scales per kv head, `fp8_kv`): a program's kv head is fixed,
+so its K scale folds into the softmax scale and its V scale into the output; the tiles are only
+converted to q's dtype (exact) before the dots. Half the bytes of a bf16 cache, which is what a decode
+step at a long context streams.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
+from tandem.kernels.fp8_kv import check_kv_cache, dequantize_kv, gather_pages
 
 _LOG2E = 1.4426950408889634
 # A split streams at least 64 tokens: a shorter slice would not pay for its partial write and combine.
@@ -28,6 +34,20 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     1 to 4 splits were within 7% of each other. Pure function of shapes, so a CUDA graph captured
     for a batch size fixes it at capture time; with max_context = max_model_len, short contexts
     leave some splits empty, which exit after writing an empty partial.
+
+    The combine launch (review, not yet measured on its own): on an H200 with Llama-3.1-8B (Hkv 8) the
+    split path, and so the second kernel, runs up to batch 32 (S * Hkv < 264; 3 splits at 32, 4 at 17).
+    There the combine moves little (batch 32: 1.5 MB of fp32 partials written and read back, ~0.7 us)
+    and costs mostly its launch, ~2-3 us per layer, ~2% of a step. Two ways to drop it at batch 17-32:
+    (a) a one-wave threshold (num_splits 1 once S * Hkv >= num_sms): all 256 programs of batch 32 are
+    resident at once with ~8 MB of tiles in flight, more than the ~4 MB that 4.25 TB/s x ~1 us latency
+    needs, so uniform contexts should not slow down; a skewed batch would (one long context's 8 programs
+    finish alone, with no splits to share them). (b) fold the combine into the split kernel: each split
+    writes its partial, then bumps an int32 counter per (sequence, kv head) with an acq_rel atomic; the
+    program that sees the count reach num_splits merges the partials and resets the counter to 0, so a
+    CUDA graph replays it as is. (b) keeps the splits for skewed batches and removes the launch at every
+    batch; its memory ordering cannot be checked in the interpreter. Neither is the default until the
+    measurement in the kernel benchmark (batch 17-32, uniform and skewed contexts) says so.
     """
     num_programs = max(num_seqs * num_kv_heads, 1)
     if num_programs >= 2 * num_sms:
@@ -39,7 +59,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
 
 @triton.jit
 def _paged_decode_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, lse_ptr,
     scale_log2, num_splits,
     stride_qs, stride_qh,
@@ -50,11 +70,16 @@ def _paged_decode_attention_kernel(
     stride_ls, stride_lh,
     num_queries_per_kv,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if IS_FP8:  # q . (k8 * s_k) = (q . k8) * s_k, and the V scale multiplies the output once
+        qk_scale = scale_log2 * tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+    else:
+        qk_scale = scale_log2
     context_len = tl.load(context_lens_ptr + seq)
     # Slices are whole tiles, so only a slice's last tile is ragged. The context is only known on the
     # device, so each program derives its own slice; a slice past the end is empty (ctx 0 → all are).
@@ -84,7 +109,8 @@ def _paged_decode_attention_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_rows = k_cache_ptr + (pages * stride_kc_block + rows * stride_kc_offset)[:, None]
         k = tl.load(k_rows + kv_head * stride_kc_head + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        k = k.to(q.dtype)  # fp8 -> q's dtype is exact; a no-op otherwise
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         # The tile's first token is always in range, so every row max is finite.
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -93,12 +119,15 @@ def _paged_decode_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = v_cache_ptr + (pages * stride_vc_block + rows * stride_vc_offset)[:, None]
         v = tl.load(v_rows + kv_head * stride_vc_head + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_tokens = l_i > 0
     # An empty slice (or a ctx-0 padding row) yields zeros, never 0/0.
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    if IS_FP8:
+        out = out * v_scale
     out_mask = g_mask[:, None] & d_mask[None, :]
     out_offs = seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
     if IS_SINGLE_SPLIT:
@@ -138,7 +167,8 @@ def _combine_splits_kernel(
 
 
 def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor) -> None:
+                  context_lens: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Validate the arguments; whether the cache is fp8."""
     num_seqs, num_q_heads, head_dim = q.shape
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[3] != head_dim:
         raise ValueError(f"paged_decode_attention: caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} "
@@ -149,6 +179,8 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
         raise ValueError(f"paged_decode_attention: block_tables {tuple(block_tables.shape)} and context_lens "
                          f"{tuple(context_lens.shape)} must be [{num_seqs}, max_blocks] and [{num_seqs}]")
+    # No dtype match with q asked of a non-fp8 cache: the op never required one.
+    return check_kv_cache("paged_decode_attention", k_cache, v_cache, k_scale, v_scale, None, "q")
 
 
 def _launch_config(head_dim: int) -> tuple[int, int, int]:
@@ -157,6 +189,10 @@ def _launch_config(head_dim: int) -> tuple[int, int, int]:
     Swept on an H200 (Triton 3.6, bf16, block_size 16, Llama GQA 32/8): 4 warps, 2 stages; 64-token
     tiles at D 128 (98% of copy bandwidth at batch 256), 128-token tiles at D 64 (small tiles left
     D 64 latency-bound at batch 64).
+    An fp8 cache keeps the same tiles (not yet measured on GPU): each is half the bytes, so twice the
+    tokens per tile would keep the bytes in flight per stage; worth a sweep at batch 64-256, where the
+    kernel streams. Doubling is not the default because it also halves the useful splits at batch 1
+    (slices are whole tiles).
     """
     if head_dim <= 64:
         return 128, 4, 2
@@ -171,18 +207,21 @@ def _num_sms(device: torch.device) -> int:
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                                  num_splits: int | None = None) -> torch.Tensor:
+                                  num_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [S, Hq, D], k_cache, v_cache [N, B, Hkv, D], block_tables [S, max_blocks] int32,
     context_lens [S] int32 -> [S, Hq, D].
 
     Sequence s attends to its first context_lens[s] cached tokens; block_tables[s, j] is the physical
     block of its logical block j. A row with context_lens 0 gives zeros. num_splits=None picks
     `choose_num_splits` with max_blocks * B as the context bound; pass an int to fix it (CUDA graphs).
+    A float8_e4m3fn cache needs k_scale, v_scale [Hkv] float32 (a cached value reads as e4m3 * scale);
+    converting fp8 tiles needs sm_89 or newer on CUDA.
     """
     check_launchable("paged_decode_attention", q, k_cache, v_cache, block_tables, context_lens)
     check_last_dim_contiguous("paged_decode_attention", q=q, k_cache=k_cache, v_cache=v_cache,
                               block_tables=block_tables)
-    _check_shapes(q, k_cache, v_cache, block_tables, context_lens)
+    is_fp8 = _check_shapes(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     num_seqs, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q)
@@ -212,7 +251,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         partial_strides = (partial.stride(0), partial.stride(1), partial.stride(2))
         lse_strides = (lse.stride(0), lse.stride(1))
     _paged_decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, partial, lse,
+        q, k_cache, v_cache, block_tables, context_lens,
+        k_scale if is_fp8 else context_lens, v_scale if is_fp8 else context_lens,  # unread unless fp8
+        partial, lse,
         scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -221,7 +262,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         *partial_strides, *lse_strides,
         num_queries_per_kv,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-        IS_SINGLE_SPLIT=is_single_split, DOT_PRECISION=dot_precision(q.dtype),
+        IS_SINGLE_SPLIT=is_single_split, IS_FP8=is_fp8, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if not is_single_split:
@@ -235,14 +276,15 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                               num_splits: int | None = None) -> torch.Tensor:
+                               num_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as the Triton version (num_splits is ignored), vectorised over the batch.
 
     Gathers every sequence's pages padded to the longest context (`index_select`, ~3x faster on the CPU
     than advanced indexing), then PyTorch's fused attention in fp32 with the padding masked: this is the
     engine's decode attention on the CPU, so it is kept lean.
     """
-    _check_shapes(q, k_cache, v_cache, block_tables, context_lens)
+    is_fp8 = _check_shapes(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     num_seqs, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     max_context = int(context_lens.max()) if num_seqs else 0  # host sync: fine for the reference
@@ -252,8 +294,12 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     # Entries past a sequence's context may be garbage (e.g. -1); clamp them, the mask hides them.
     pages = block_tables[:, :num_blocks].long().clamp(min=0).flatten()  # [S * nb]
     shape = (num_seqs, num_blocks * page_size, num_kv_heads, head_dim)
-    k = k_cache.index_select(0, pages).view(shape)[:, :max_context].float()  # [S, L, Hkv, D]
-    v = v_cache.index_select(0, pages).view(shape)[:, :max_context].float()
+    k = gather_pages(k_cache, pages).view(shape)[:, :max_context]  # [S, L, Hkv, D]
+    v = gather_pages(v_cache, pages).view(shape)[:, :max_context]
+    if is_fp8:
+        assert k_scale is not None and v_scale is not None
+        k, v = dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)
+    k, v = k.float(), v.float()
     is_valid = torch.arange(max_context, device=q.device) < context_lens[:, None]  # [S, L]
     # A ctx-0 row (CUDA-graph padding) would be all masked, which softmax turns into NaN: let it see one
     # position, and zero its output below, as the kernel does.

@@ -29,6 +29,10 @@ sequences x 4 spec tokens over 2048 cached. The kernel re-reads a sequence's K/V
 mostly from L2; one program per (sequence, kv head) at q_len 1 leaves a small batch short of parallelism,
 where paged_decode_attention's split-KV does better (8 x 4096 context, D 128: 83 us here, 51 us there in
 one run, 85 in another).
+
+FP8 cache (float8_e4m3fn pages with static scales per kv head, `fp8_kv`): a program's kv head is fixed, so
+its K scale folds into the softmax scale and its V scale into the output; tiles are converted to q's dtype
+(exact) before the 16-bit dots, so the FLOPs above are unchanged and the KV bytes halve.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
+from tandem.kernels.fp8_kv import check_kv_cache, dequantize_kv, gather_pages
 
 _LOG2E = 1.4426950408889634
 _MAX_GRID_Z = 65535  # CUDA's limit on the grid's third dimension (the query blocks)
@@ -48,6 +53,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_ptr,
                   IS_DIAGONAL: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold the cached keys [lo, hi) of one sequence into the online softmax of a block of rows (base 2).
+    K/V tiles are converted to q's dtype (fp8 -> 16 or 32 bits is exact); scale_log2 carries the K scale.
 
     Off the diagonal every key precedes every row's query and lies inside the sequence: no mask. On it,
     row r sees key n iff n <= q_pos[r] (q_pos < hi, so this also drops the tile's keys past hi).
@@ -68,7 +74,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_ptr,
         pages = pages.to(tl.int64)
         rows = n_idx % PAGE_SIZE
         k_rows = k_head_ptr + (pages * stride_kc_block + rows * stride_kc_offset)[:, None]
-        k = tl.load(k_rows + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_rows + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         if IS_DIAGONAL:
             # Every row has seen a key before its first masked tile (key 0 at the latest), so its max is
@@ -79,7 +85,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_ptr,
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_rows = v_head_ptr + (pages * stride_vc_block + rows * stride_vc_offset)[:, None]
-        v = tl.load(v_rows + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_rows + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -87,8 +93,8 @@ def _attend_tiles(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_ptr,
 
 @triton.jit
 def _paged_prefill_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, out_ptr,
-    scale_log2,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, scale_log2,
     stride_qt, stride_qh,
     stride_kc_block, stride_kc_offset, stride_kc_head,
     stride_vc_block, stride_vc_offset, stride_vc_head,
@@ -96,7 +102,7 @@ def _paged_prefill_attention_kernel(
     stride_ot, stride_oh,
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    IS_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Grid (S, Hkv, query blocks of the longest q_len); CUDA starts the lowest block ids first, so the
     # query-block index is the slowest-moving one: every sequence's heaviest (last) block goes first.
@@ -128,6 +134,8 @@ def _paged_prefill_attention_kernel(
     # Whole tiles whose every key is <= first_pos are visible to all rows; the rest up to last_pos is masked.
     diagonal_start = (first_pos + 1) // BLOCK_N * BLOCK_N
 
+    if IS_FP8:  # q . (k8 * s_k) = (q . k8) * s_k; the V scale multiplies the output once, below
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
     k_head_ptr = k_cache_ptr + kv_head * stride_kc_head
     v_head_ptr = v_cache_ptr + kv_head * stride_vc_head
     block_table_ptr = block_tables_ptr + seq * stride_bt
@@ -144,12 +152,16 @@ def _paged_prefill_attention_kernel(
                                   True, HEAD_DIM, PAGE_SIZE, BLOCK_N, BLOCK_D, DOT_PRECISION)
 
     out = acc / l_i[:, None]
+    if IS_FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
     out_offs = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> None:
+                  cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None) -> bool:
+    """Validate the arguments, naming the bad one; whether the cache is fp8."""
     op = "paged_prefill_attention"
     if q.dim() != 3:
         raise ValueError(f"{op}: q must be [T, Hq, D], got {tuple(q.shape)}")
@@ -158,8 +170,7 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"{op}: k_cache {tuple(k_cache.shape)} must be [N, B, Hkv, {head_dim}]")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"{op}: v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"{op}: k_cache/v_cache dtype {k_cache.dtype}/{v_cache.dtype} != q dtype {q.dtype}")
+    is_fp8 = check_kv_cache(op, k_cache, v_cache, k_scale, v_scale, q.dtype, "q")
     page_size, num_kv_heads = k_cache.shape[1:3]
     if page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"{op}: k_cache block size {page_size} must be a power of two")
@@ -177,6 +188,7 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     for name, t in (("block_tables", block_tables), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise ValueError(f"{op}: {name} must hold integers (int32), got {t.dtype}")
+    return is_fp8
 
 
 def _launch_config(dtype: torch.dtype, head_dim: int, max_seqlen_q: int, num_queries_per_kv: int
@@ -219,7 +231,9 @@ def _launch_config(dtype: torch.dtype, head_dim: int, max_seqlen_q: int, num_que
 
 def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                   seq_lens: torch.Tensor, max_seqlen_q: int, scale: float) -> torch.Tensor:
+                                   seq_lens: torch.Tensor, max_seqlen_q: int, scale: float,
+                                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
+                                   ) -> torch.Tensor:
     """q [T, Hq, D], k_cache, v_cache [N, B, Hkv, D], block_tables [S, max_blocks] int32, cu_seqlens_q
     [S+1] int32, seq_lens [S] int32 -> out [T, Hq, D] (contiguous, q's dtype).
 
@@ -227,12 +241,14 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     its whole length (context + new). max_seqlen_q must be at least the longest q_len (it sizes the grid,
     so no host sync). A sequence with no new tokens is skipped; rows of q past cu_seqlens_q[-1] are left
     unwritten. Query head h reads kv head h // (Hq // Hkv). q may be a strided view (unit last stride).
+    The caches hold q's dtype, or float8_e4m3fn with k_scale, v_scale [Hkv] float32 (a cached value reads
+    as e4m3 * scale; on CUDA, sm_89 or newer).
     """
     op = "paged_prefill_attention"
     check_launchable(op, q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
     check_last_dim_contiguous(op, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                               cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
-    _check_shapes(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    is_fp8 = _check_shapes(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     out = q.new_empty(q.shape)
@@ -252,8 +268,9 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
                          f"more than the grid allows ({_MAX_GRID_Z})")
     num_seqs = cu_seqlens_q.shape[0] - 1
     _paged_prefill_attention_kernel[(num_seqs, num_kv_heads, num_q_blocks)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * _LOG2E,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+        k_scale if is_fp8 else seq_lens, v_scale if is_fp8 else seq_lens,  # unread unless fp8
+        out, scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -261,17 +278,20 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         out.stride(0), out.stride(1),
         NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        IS_FP8=is_fp8, DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                seq_lens: torch.Tensor, max_seqlen_q: int, scale: float) -> torch.Tensor:
+                                seq_lens: torch.Tensor, max_seqlen_q: int, scale: float,
+                                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
+                                ) -> torch.Tensor:
     """Same contract as the Triton version (max_seqlen_q unused), one sequence at a time: gather its
-    pages into a contiguous [L, Hkv, D] context, then masked softmax attention in float32."""
-    _check_shapes(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    pages into a contiguous [L, Hkv, D] context (dequantized, for an fp8 cache), then masked softmax
+    attention in float32."""
+    is_fp8 = _check_shapes(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale)
     page_size = k_cache.shape[1]
     out = q.new_empty(q.shape)
     bounds, lens = cu_seqlens_q.tolist(), seq_lens.tolist()  # host sync: fine for the reference
@@ -284,8 +304,12 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                              f"{seq_len}")
         # Only the sequence's own pages: table entries past them may be garbage.
         pages = block_tables[s, : -(-seq_len // page_size)].long()
-        k = k_cache[pages].flatten(0, 1)[:seq_len].float().transpose(0, 1)  # [Hkv, L, D]
-        v = v_cache[pages].flatten(0, 1)[:seq_len].float().transpose(0, 1)
+        k = gather_pages(k_cache, pages).flatten(0, 1)[:seq_len]  # [L, Hkv, D]
+        v = gather_pages(v_cache, pages).flatten(0, 1)[:seq_len]
+        if is_fp8:
+            assert k_scale is not None and v_scale is not None
+            k, v = dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)
+        k, v = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [Hkv, L, D]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # the new tokens' positions
         is_visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, L]
         # enable_gqa maps query head h to kv head h // (Hq // Hkv).

@@ -1,5 +1,6 @@
 """paged_decode_attention: kernel vs reference over shuffled pages, splits, padding rows; the
-reference vs contiguous attention over each sequence's gathered context."""
+reference vs contiguous attention over each sequence's gathered context; fp8 caches: kernel vs reference
+over the same fp8 pages, and the fp8 reference vs attention over the unquantized K/V."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tandem.kernels.fp8_kv import dequantize_kv, kv_scales_from_absmax, quantize_kv
 from tandem.kernels.paged_decode_attention import (
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
@@ -18,6 +20,10 @@ from tandem.kernels.paged_decode_attention import (
 )
 
 HEADS = [(9, 3, 64), (4, 4, 32), (8, 2, 48)]
+# e4m3 rounds each element to within 2^-4 of itself, ~2.4% RMS for evenly spread mantissas. With unit-spread
+# logits (randn q, k, scale D^-0.5) the output carries one such error from V and one from K through the
+# softmax, adding in quadrature: ~3.4% of its norm expected (2.5-3.3% seen), bounded here by 2^-4.
+FP8_REL_RMS_BOUND = 2.0**-4
 
 
 def _paged(context_lens: list[int], block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -36,6 +42,13 @@ def _paged(context_lens: list[int], block_size: int, num_q_heads: int, num_kv_he
     q = torch.randn(len(context_lens), num_q_heads, head_dim, dtype=dtype, device=device)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     return q, k_cache, v_cache, block_tables.to(device), lens
+
+
+def _fp8(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The caches quantized to e4m3 with per-head scales calibrated on them: (k8, v8, k_scale, v_scale)."""
+    absmax = torch.stack([k_cache.abs().amax(dim=(0, 1, 3)), v_cache.abs().amax(dim=(0, 1, 3))])
+    k_scale, v_scale = kv_scales_from_absmax(absmax.float())
+    return quantize_kv(k_cache, k_scale), quantize_kv(v_cache, v_scale), k_scale, v_scale
 
 
 def _contiguous(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -116,3 +129,52 @@ def test_choose_num_splits_examples() -> None:
     assert choose_num_splits(1, 8, 16384, 132) == MAX_SPLITS
     assert choose_num_splits(1, 8, 1024, 132) == 1024 // MIN_TOKENS_PER_SPLIT
     assert choose_num_splits(64, 8, 1024, 132) == 1
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 48)], ids=str)
+def test_ref_fp8_against_unquantized(heads: tuple[int, int, int]) -> None:
+    q, k_cache, v_cache, block_tables, lens = _paged([1, 17, 40, 0, 300], 8, *heads, torch.float32,
+                                                     torch.device("cpu"))
+    k8, v8, k_scale, v_scale = _fp8(k_cache, v_cache)
+    scale = heads[2] ** -0.5
+    out = paged_decode_attention_ref(q, k8, v8, block_tables, lens, scale, k_scale=k_scale, v_scale=v_scale)
+    # Exactly attention over the dequantized pages...
+    dequantized = (dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale))
+    torch.testing.assert_close(out, paged_decode_attention_ref(q, *dequantized, block_tables, lens, scale),
+                               atol=1e-6, rtol=1e-6)
+    # ...within e4m3's rounding of attention over the unquantized ones...
+    exact = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens, scale)
+    assert float((out - exact).norm() / exact.norm()) < FP8_REL_RMS_BOUND
+    # ...and a context of one token returns its V row: exactly V's rounding, 2^-4 of each element at most.
+    v0 = v_cache[block_tables[0, 0].long(), 0]  # [Hkv, D]
+    bound = 2.0**-4 * v0.abs() + 2.0**-10 * v_scale[:, None]  # normals, and half a subnormal step
+    assert bool(((out[0] - v0.repeat_interleave(heads[0] // heads[1], dim=0)).abs()
+                 <= bound.repeat_interleave(heads[0] // heads[1], dim=0)).all())
+    assert bool((out[3] == 0).all())
+
+
+@pytest.mark.usefixtures("needs_triton")
+def test_kernel_fp8_matches_ref(dtype: torch.dtype, device: torch.device, tol: dict[str, float]) -> None:
+    heads = (9, 3, 48)  # a group of 3 and a ragged head_dim
+    q, k_cache, v_cache, block_tables, lens = _paged([1, 17, 40, 0, 23], 8, *heads, torch.float32, device)
+    k8, v8, k_scale, v_scale = _fp8(k_cache, v_cache)
+    args = (q.to(dtype), k8, v8, block_tables, lens, heads[2] ** -0.5)
+    expected = paged_decode_attention_ref(*args, k_scale=k_scale, v_scale=v_scale)
+    for num_splits in (1, 3):  # the scales in the one-pass epilogue, and through the combine
+        out = paged_decode_attention_triton(*args, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+        torch.testing.assert_close(out, expected, **tol, msg=lambda m, n=num_splits: f"num_splits={n}: {m}")
+
+
+@pytest.mark.parametrize("op", ["ref", "triton"])
+def test_fp8_scales_checked(op: str, device: torch.device, request: pytest.FixtureRequest) -> None:
+    if op == "triton":
+        request.getfixturevalue("needs_triton")
+    fn = paged_decode_attention_ref if op == "ref" else paged_decode_attention_triton
+    q, k_cache, v_cache, block_tables, lens = _paged([3], 8, 4, 2, 16, torch.float32, device)
+    k8, v8, k_scale, v_scale = _fp8(k_cache, v_cache)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        fn(q, k8, v8, block_tables, lens, 0.25)
+    with pytest.raises(ValueError, match="v_scale must be float32"):
+        fn(q, k8, v8, block_tables, lens, 0.25, k_scale=k_scale, v_scale=v_scale[:1])
+    with pytest.raises(ValueError, match="k_scale is only for"):
+        fn(q, k_cache, v_cache, block_tables, lens, 0.25, k_scale=k_scale, v_scale=v_scale)

@@ -1,5 +1,6 @@
 """paged_prefill_attention: the reference vs dense causal attention over the whole sequences; the kernel vs
-the reference over irregular (context, new tokens) batches, scattered pages, every output element written."""
+the reference over irregular (context, new tokens) batches, scattered pages, every output element written;
+fp8 caches: kernel vs reference over the same pages, the reference vs attention over the unquantized K/V."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 import pytest
 import torch
 
+from tandem.kernels.fp8_kv import dequantize_kv, kv_scales_from_absmax, quantize_kv
 from tandem.kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
 from tandem.kernels.prefill_attention import prefill_attention_ref
 from tandem.kernels.store_kv import store_kv_ref
@@ -166,3 +168,59 @@ def test_bad_arguments_name_the_argument(op: str, device: torch.device, request:
     for name, value, message in bad:
         with pytest.raises(ValueError, match=message):
             fn(**{**good, name: value}, max_seqlen_q=4, scale=0.25)
+
+
+def _fp8(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The caches quantized to e4m3 with per-head scales calibrated on them: (k8, v8, k_scale, v_scale)."""
+    absmax = torch.stack([k_cache.abs().amax(dim=(0, 1, 3)), v_cache.abs().amax(dim=(0, 1, 3))])
+    k_scale, v_scale = kv_scales_from_absmax(absmax.float())
+    return quantize_kv(k_cache, k_scale), quantize_kv(v_cache, v_scale), k_scale, v_scale
+
+
+def test_ref_fp8_against_unquantized() -> None:
+    contexts, q_lens = [0, 70, 17, 3], [5, 1, 29, 4]
+    q, k_cache, v_cache, block_tables, cu, lens = _paged(contexts, q_lens, 16, 9, 3, 48, torch.float32,
+                                                         torch.device("cpu"))
+    k8, v8, k_scale, v_scale = _fp8(k_cache, v_cache)
+    args = (block_tables, cu, lens, max(q_lens), 48**-0.5)
+    out = paged_prefill_attention_ref(q, k8, v8, *args, k_scale=k_scale, v_scale=v_scale)
+    dequantized = (dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale))
+    torch.testing.assert_close(out, paged_prefill_attention_ref(q, *dequantized, *args), atol=1e-6, rtol=1e-6)
+    # e4m3's rounding of K and V, through unit-spread logits: ~3.4% of the output's norm expected, 2^-4 at
+    # most (the bound and its reasoning as in test_paged_decode_attention). The first query of sequence 0
+    # sees only its own key, so its output is its V row rounded: within 2^-4 per element.
+    exact = paged_prefill_attention_ref(q, k_cache, v_cache, *args)
+    assert float((out - exact).norm() / exact.norm()) < 2.0**-4
+    v0 = v_cache[block_tables[0, 0].long(), 0].repeat_interleave(3, dim=0)  # [Hq, D]
+    bound = 2.0**-4 * v0.abs() + 2.0**-10 * v_scale.repeat_interleave(3)[:, None]
+    assert bool(((out[0] - v0).abs() <= bound).all())
+
+
+@pytest.mark.usefixtures("needs_triton")
+def test_kernel_fp8_matches_ref(dtype: torch.dtype, device: torch.device, tol: dict[str, float],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # A mixed batch (prefill, decode, chunk on a context ending mid-block, spec), a group of 3, ragged D.
+    contexts, q_lens = [0, 70, 17, 3], [5, 1, 29, 4]
+    q, k_cache, v_cache, block_tables, cu, lens = _paged(contexts, q_lens, 16, 9, 3, 48, torch.float32, device)
+    k8, v8, k_scale, v_scale = _fp8(k_cache, v_cache)
+    args = (q.to(dtype), k8, v8, block_tables, cu, lens, max(q_lens), 48**-0.5)
+    expected = paged_prefill_attention_ref(*args, k_scale=k_scale, v_scale=v_scale)
+    _poison_new_empty(monkeypatch)
+    out = paged_prefill_attention_triton(*args, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out, expected, **tol)
+
+
+@pytest.mark.parametrize("op", ["ref", "triton"])
+def test_fp8_scales_checked(op: str, device: torch.device, request: pytest.FixtureRequest) -> None:
+    if op == "triton":
+        request.getfixturevalue("needs_triton")
+    fn = paged_prefill_attention_ref if op == "ref" else paged_prefill_attention_triton
+    q, k_cache, v_cache, block_tables, cu, lens = _paged([3, 0], [2, 4], 8, 4, 2, 16, torch.float32, device)
+    k8, v8, k_scale, v_scale = _fp8(k_cache, v_cache)
+    args = (block_tables, cu, lens, 4, 0.25)
+    with pytest.raises(ValueError, match="needs v_scale"):
+        fn(q, k8, v8, *args, k_scale=k_scale)
+    with pytest.raises(ValueError, match="k_scale must be float32"):
+        fn(q, k8, v8, *args, k_scale=k_scale.double(), v_scale=v_scale)
+    with pytest.raises(ValueError, match="v_scale is only for"):
+        fn(q, k_cache, v_cache, *args, v_scale=v_scale)
