@@ -48,8 +48,8 @@ def measure(engine: Engine, prompts: list[list[int]], mode: str, mirror_layers: 
     block_size = engine.config.cache.block_size
     engine.on_prefill_step = None
     if mode == "grpc":
-        def on_step(requests: list[Any]) -> Any:
-            return exporter.begin_step([(r.req_id, list(r.block_ids)) for r in requests],
+        def on_step(chunks: list[Any]) -> Any:
+            return exporter.begin_step([(r.req_id, 0, list(r.block_ids)) for r, _, _ in chunks],
                                        lambda req_id, messages: counter.append(len(messages)))
         engine.on_prefill_step = on_step  # type: ignore[assignment]
     next_block = 0

@@ -1,4 +1,4 @@
-"""The seven fused ops the model code calls, as one swappable bundle: pure torch or Triton."""
+"""The eight fused ops the model code calls, as one swappable bundle: pure torch or Triton."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from tandem.kernels import _triton
 from tandem.kernels.fused_add_rms_norm import fused_add_rms_norm_ref, fused_add_rms_norm_triton
 from tandem.kernels.paged_decode_attention import paged_decode_attention_ref, paged_decode_attention_triton
+from tandem.kernels.paged_prefill_attention import paged_prefill_attention_ref, paged_prefill_attention_triton
 from tandem.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 from tandem.kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from tandem.kernels.rotary_embedding import rotary_embedding_ref, rotary_embedding_triton
@@ -28,6 +29,7 @@ class Ops:
     store_kv(k, v, k_cache, v_cache, slot_mapping) -> None
     prefill_attention(q, k, v, cu_seqlens, max_seqlen, scale) -> out
     paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None) -> out
+    paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale) -> out
     """
 
     name: str
@@ -38,6 +40,7 @@ class Ops:
     store_kv: Callable[..., None]
     prefill_attention: Callable[..., torch.Tensor]
     paged_decode_attention: Callable[..., torch.Tensor]
+    paged_prefill_attention: Callable[..., torch.Tensor]
 
 
 _TORCH_OPS = Ops(
@@ -49,6 +52,7 @@ _TORCH_OPS = Ops(
     store_kv=store_kv_ref,
     prefill_attention=prefill_attention_ref,
     paged_decode_attention=paged_decode_attention_ref,
+    paged_prefill_attention=paged_prefill_attention_ref,
 )
 
 _TRITON_OPS = Ops(
@@ -60,6 +64,7 @@ _TRITON_OPS = Ops(
     store_kv=store_kv_triton,
     prefill_attention=prefill_attention_triton,
     paged_decode_attention=paged_decode_attention_triton,
+    paged_prefill_attention=paged_prefill_attention_triton,
 )
 
 

@@ -58,10 +58,17 @@ class PageExport:
             raise InvalidRequestError("target.block_ids", f"a block id is outside the pool's {num_blocks} blocks")
         return KVMirror(layers, list(target.block_ids))
 
-    def on_prefill_step(self, requests: list[Request]) -> Callable[[int], None] | None:
-        """Engine thread, before a prefill step's forward: the per-layer hand-off of the requests that go by
-        bytes (None when every request of the step is mirrored)."""
-        exported = [(r.req_id, list(r.block_ids)) for r in requests if r.kv_mirror is None and r.prefill_only]
+    def on_prefill_step(self, chunks: list[tuple[Request, int, int]]) -> Callable[[int], None] | None:
+        """Engine thread, before a prefill step's forward: the per-layer hand-off of the blocks this step writes
+        for the requests that go by bytes (None when every request of the step is mirrored). A prompt computed
+        in chunks ships each block as it is written; a block a later chunk completes is sent again, whole."""
+        block_size = self.engine.engine.config.cache.block_size
+        exported = []
+        for request, start, num_new in chunks:
+            if request.kv_mirror is not None or not request.prefill_only:
+                continue
+            first, end = start // block_size, -(-(start + num_new) // block_size)
+            exported.append((request.req_id, first, list(request.block_ids[first:end])))
         if not exported:
             return None
         return self.exporter.begin_step(exported, self._deliver)

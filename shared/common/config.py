@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 class ConfigError(ValueError):
@@ -102,22 +102,45 @@ class CacheConfig:
             raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
 
 
+# Default token budget of a step with chunked prefill, by device. From measured step times (docs/architecture.md,
+# "Chunked prefill"): on an H200, Llama-3.1-8B computes ~1,024 prompt tokens in 24 ms and decodes a batch of 64
+# in ~8 ms, so a 512-token chunk keeps a mixed step near 2.5x a decode step; on the 2-core CPU, see the same
+# section for SmolLM2-135M.
+DEFAULT_BATCHED_TOKENS = {"cuda": 512, "cpu": 256}
+# Without chunked prefill a whole prompt must fit one step.
+DEFAULT_BATCHED_TOKENS_UNCHUNKED = 8192
+# max_model_len's default cap (the model's context may be far longer): CUDA graphs size their block tables and
+# the decode attention its splits from it. A larger value can always be given.
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
-    # Token budget of one step (prefill tokens + one per decoding sequence).
-    max_num_batched_tokens: int = 8192
-    # Longest prompt + output a request may have; None means the model's context length,
-    # capped at max_num_batched_tokens (a prompt is prefilled in one step).
+    # Token budget of one step (decode tokens + prompt chunks); None: the device's default (DEFAULT_BATCHED_TOKENS,
+    # or DEFAULT_BATCHED_TOKENS_UNCHUNKED without chunked prefill). Any budget >= 1 works with chunked prefill.
+    max_num_batched_tokens: int | None = None
+    # Longest prompt + output a request may have; None means the model's context, capped at DEFAULT_MAX_MODEL_LEN
+    # (and, without chunked prefill, at the token budget: a prompt is then prefilled in one step).
     max_model_len: int | None = None
+    # Long prompts are computed in chunks, in steps shared with the running requests' decode tokens.
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def resolved(self, device: str) -> SchedulerConfig:
+        """With the token budget chosen for `device` when none was given."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        default = (DEFAULT_BATCHED_TOKENS["cpu" if device == "cpu" else "cuda"] if self.enable_chunked_prefill
+                   else DEFAULT_BATCHED_TOKENS_UNCHUNKED)
+        return replace(self, max_num_batched_tokens=default)
 
 
 # The compute/KV dtypes a worker may run with, and their sizes in bytes.
@@ -143,35 +166,47 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto or one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        # The budget is resolved for the device here, once: everything after reads a number.
+        object.__setattr__(self, "scheduler", self.scheduler.resolved(self.device))
         if self.max_model_len > self.model.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len ({self.max_model_len}) exceeds the model's context "
                 f"({self.model.max_position_embeddings})"
             )
-        if self.scheduler.max_num_batched_tokens < self.max_model_len:
+        if not self.scheduler.enable_chunked_prefill and self.budget < self.max_model_len:
             raise ConfigError(
-                f"max_num_batched_tokens ({self.scheduler.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}) so that any admissible prompt fits one step"
+                f"max_num_batched_tokens ({self.budget}) must be >= max_model_len ({self.max_model_len}) without "
+                "chunked prefill, so that any admissible prompt fits one step"
             )
+
+    @property
+    def budget(self) -> int:
+        """The step's token budget (resolved for the device)."""
+        assert self.scheduler.max_num_batched_tokens is not None
+        return self.scheduler.max_num_batched_tokens
 
     @classmethod
     def create(cls, model: ModelConfig, *, device: str = "cpu", dtype: str = "auto", block_size: int = 16,
                num_kv_blocks: int | None = None, gpu_memory_fraction: float = 0.85, max_model_len: int | None = None,
-               max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, use_triton: bool = True,
-               use_cuda_graphs: bool = True, seed: int = 0) -> EngineConfig:
+               max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
+               use_triton: bool = True, use_cuda_graphs: bool = True, seed: int = 0) -> EngineConfig:
         """The one place flat settings (flags, `LLM(...)` keywords) become the nested config."""
         return cls(model=model,
                    cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                                      gpu_memory_fraction=gpu_memory_fraction),
                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                             max_model_len=max_model_len),
+                                             max_model_len=max_model_len,
+                                             enable_chunked_prefill=enable_chunked_prefill),
                    device=device, dtype=dtype, use_triton=use_triton, use_cuda_graphs=use_cuda_graphs, seed=seed)
 
     @property
     def max_model_len(self) -> int:
         if self.scheduler.max_model_len is not None:
             return self.scheduler.max_model_len
-        return min(self.model.max_position_embeddings, self.scheduler.max_num_batched_tokens)
+        limit = min(self.model.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if not self.scheduler.enable_chunked_prefill:
+            limit = min(limit, self.budget)
+        return limit
 
     @property
     def resolved_dtype(self) -> str:

@@ -34,8 +34,9 @@ from tandem.engine.scheduler import Scheduler, num_blocks_for
 
 @dataclass
 class StepResult:
-    """Requests that received a token this step (read `output_token_ids`), those that ended, and those whose
-    blocks were reserved for a remote prefill."""
+    """Requests the step computed tokens for (those that sampled one have it in `output_token_ids`; a prompt
+    chunk that is not the last samples none), those that ended, and those whose blocks were reserved for a
+    remote prefill."""
 
     requests: list[Request]
     finished: list[Request]
@@ -52,9 +53,10 @@ class Engine:
                                    config.model.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seed_source = random.Random(config.seed)
-        # Prefill role: called once per prefill step with its batch; returns what to call with each layer's index
-        # once that layer's K/V are stored (one hand-off per layer per step), or None when nothing is to export.
-        self.on_prefill_step: Callable[[list[Request]], Callable[[int], None] | None] | None = None
+        # Prefill role: called once per prefill step with its chunks (request, first token, number of tokens);
+        # returns what to call with each layer's index once that layer's K/V are stored (one hand-off per layer
+        # per step), or None when nothing is to export.
+        self.on_prefill_step: Callable[[list[tuple[Request, int, int]]], Callable[[int], None] | None] | None = None
 
     # -- properties the services report -----------------------------------------------------------
     @property
@@ -141,14 +143,16 @@ class Engine:
         for request in output.requests:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+        is_prefill = output.is_prefill
         hook = None
-        if output.is_prefill and self.on_prefill_step is not None:
-            hook = self.on_prefill_step(output.requests)
+        if is_prefill and self.on_prefill_step is not None:
+            hook = self.on_prefill_step([(r, r.num_computed_tokens, n)
+                                         for r, n in zip(output.requests, output.num_new_tokens, strict=True)])
         token_ids, logprobs = self.runner.execute(output, hook)
         finished = self.scheduler.update_from_output(output, token_ids, logprobs)
         for request in finished:
             self.requests.pop(request.req_id, None)
-        return StepResult(output.requests, finished, output.is_prefill, output.reserved)
+        return StepResult(output.requests, finished, is_prefill, output.reserved)
 
     def warm_up(self) -> None:
         """Compile and load what the first requests would otherwise wait for: the prefill path (Triton kernels
@@ -162,7 +166,7 @@ class Engine:
             prompt = [(7 * i + 1) % vocab for i in range(num_tokens)]
             # Seeded: an unseeded request would draw from the engine's seed source and shift later requests' seeds.
             self.add_request(req_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, seed=0), prefill_only=True)
-            while req_id in self.requests and self.requests[req_id].status is RequestStatus.WAITING:
+            while self.requests[req_id].status in (RequestStatus.WAITING, RequestStatus.RUNNING):
                 self.step()
             self.release(req_id)
 

@@ -43,14 +43,16 @@ class LLM:
 
     def __init__(self, model: str, *, device: str = "cpu", dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
+                 block_size: int = 16, num_kv_blocks: int | None = None,
                  gpu_memory_fraction: float = 0.85, use_triton: bool = True, use_cuda_graphs: bool = True,
                  seed: int = 0, cache_dir: Path | None = None) -> None:
         model_config = load_model_config(model, cache_dir=cache_dir)
         self.config = EngineConfig.create(
             model_config, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
             gpu_memory_fraction=gpu_memory_fraction, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, use_triton=use_triton, use_cuda_graphs=use_cuda_graphs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
+            use_triton=use_triton, use_cuda_graphs=use_cuda_graphs,
             seed=seed)
         self.engine = Engine(self.config)
         self.tokenizer: Any = load_tokenizer(model_config) if model_config.tokenizer_path else None

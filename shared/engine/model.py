@@ -53,14 +53,36 @@ class LlamaAttention(nn.Module):
             # The same K/V straight into a decode worker's pages: one more store, no copy afterwards.
             peer_k, peer_v = peer_layers[self.layer_idx]
             self.ops.store_kv(k, v, peer_k, peer_v, peer_slots)
-        if meta.is_prefill:
-            assert meta.cu_seqlens is not None
-            out = self.ops.prefill_attention(q, k, v, meta.cu_seqlens, meta.max_seqlen, self.scale)
-        else:
+        if not meta.is_prefill:  # a pure decode step (what CUDA graphs capture)
             assert meta.block_tables is not None and meta.context_lens is not None
             out = self.ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
                                                   meta.context_lens, self.scale, meta.num_splits)
+        else:
+            out = self._prefill_attention(q, k, v, kv, meta)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+    def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVLayer,
+                           meta: AttentionMetadata) -> torch.Tensor:
+        """A step with prompt chunks: its leading decode tokens through the decode kernel, the chunks through the
+        contiguous prefill kernel (all at position 0) or the paged one (with context)."""
+        assert meta.cu_seqlens is not None
+        k_cache, v_cache = kv
+        num_decode = meta.num_decode_tokens
+        q_chunks = q[num_decode:]
+        if meta.seq_lens is not None:
+            assert meta.prefill_block_tables is not None
+            out = self.ops.paged_prefill_attention(q_chunks, k_cache, v_cache, meta.prefill_block_tables,
+                                                   meta.cu_seqlens, meta.seq_lens, meta.max_seqlen, self.scale)
+        else:
+            out = self.ops.prefill_attention(q_chunks, k[num_decode:], v[num_decode:], meta.cu_seqlens,
+                                             meta.max_seqlen, self.scale)
+        if num_decode == 0:
+            return out
+        assert meta.block_tables is not None and meta.context_lens is not None
+        decoded = self.ops.paged_decode_attention(q[:num_decode], k_cache, v_cache, meta.block_tables,
+                                                  meta.context_lens, self.scale, meta.num_splits)
+        return torch.cat([decoded, out])
 
 
 class LlamaMLP(nn.Module):

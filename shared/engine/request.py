@@ -54,6 +54,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in this engine's cache (the scheduler advances it as steps compute them).
+    num_computed_tokens: int = 0
+    # The tokens it had when last admitted: until they are all computed it is prefilling (its prompt, or a
+    # preempted request's recomputation), then decoding.
+    num_prefill_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
@@ -82,6 +87,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prefill_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -77,39 +77,69 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput,
                 on_layer_done: Callable[[int], None] | None = None) -> tuple[list[int], list[float]]:
-        """Run one step and return each request's new token id and its logprob (host lists)."""
+        """Run one step; return the new token id and its logprob of each request that samples (in order)."""
         if output.is_prefill:
-            logits = self.prefill_logits(output.requests, on_layer_done)
+            chunks = [(r, r.num_computed_tokens, n) for r, n in zip(output.requests, output.num_new_tokens,
+                                                                     strict=True)]
+            sampling = [r for i, r in enumerate(output.requests) if output.samples(i)]
+            logits = self.chunk_logits(chunks, [output.samples(i) for i in range(len(chunks))], on_layer_done)
         else:
+            sampling = output.requests
             logits = self.decode_logits(output.requests)
-        tensors = SamplingTensors.from_requests(output.requests, self.device)
+        if not sampling:  # every chunk of the step was a partial prompt
+            return [], []
+        tensors = SamplingTensors.from_requests(sampling, self.device)
         token_ids, logprobs = sample(logits, tensors)
         # The one host sync per step: the scheduler needs the tokens to apply stop rules.
         return token_ids.tolist(), logprobs.tolist()
 
     def prefill_logits(self, requests: list[Request],
-                 on_layer_done: Callable[[int], None] | None) -> torch.Tensor:
+                       on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Logits [B, V] of the last token of each request, computing all its tokens from position 0."""
+        return self.chunk_logits([(r, 0, r.num_tokens) for r in requests], [True] * len(requests), on_layer_done)
+
+    def chunk_logits(self, chunks: list[tuple[Request, int, int]], wants_logits: list[bool],
+                     on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Compute tokens [start, start + n) of each (request, start, n), packed in one forward (K/V stored into
+        the pages as each layer runs); logits [sum(wants_logits), V] of the last token of each chunk that wants
+        them. Decode tokens (first in a step) attend through the decode kernel; prompt chunks that all start at
+        position 0 among their own tokens (the contiguous prefill kernel), otherwise over the paged cache."""
+        # The leading decode tokens (the scheduler puts them first) attend through the decode kernel.
+        num_decode = 0
+        while (num_decode < len(chunks) and chunks[num_decode][2] == 1
+               and not chunks[num_decode][0].is_prefilling):
+            num_decode += 1
+        decodes, prompt_chunks = chunks[:num_decode], chunks[num_decode:]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        cu_seqlens = [0]
-        for request in requests:
+        bounds = [0]  # of every chunk in the packed step, decode tokens included
+        for request, start, num_new in chunks:
             # After a preemption the "prompt" is everything so far: recompute rebuilds its KV.
-            tokens = request.all_token_ids
-            input_ids += tokens
-            positions += range(len(tokens))
-            slots += self._slots(request, 0, len(tokens))
-            cu_seqlens.append(cu_seqlens[-1] + len(tokens))
+            input_ids += request.all_token_ids[start:start + num_new]
+            positions += range(start, start + num_new)
+            slots += self._slots(request, start, start + num_new)
+            bounds.append(bounds[-1] + num_new)
+        cu_seqlens = [b - num_decode for b in bounds[num_decode:]]
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=self._to_device(slots, torch.int64),
             cu_seqlens=self._to_device(cu_seqlens, torch.int32),
-            max_seqlen=max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:], strict=False)),
-            kv_mirrors=self._mirror_slots(requests, cu_seqlens),
+            max_seqlen=max(n for _, _, n in prompt_chunks),
+            num_decode_tokens=num_decode,
+            kv_mirrors=self._mirror_slots(chunks, bounds),
         )
+        if any(start > 0 for _, start, _ in prompt_chunks):
+            meta.prefill_block_tables = self._block_tables([r for r, _, _ in prompt_chunks])
+            meta.seq_lens = self._to_device([start + n for _, start, n in prompt_chunks], torch.int32)
+        if decodes:
+            meta.block_tables = self._block_tables([r for r, _, _ in decodes])
+            meta.context_lens = self._to_device([start + 1 for _, start, _ in decodes], torch.int32)
+            meta.num_splits = self.num_splits_for(num_decode)
         hidden = self.model(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
                             self.kv_layers, meta, self.cos_sin, on_layer_done)
-        last = self._to_device([end - 1 for end in cu_seqlens[1:]], torch.int64)
+        last = self._to_device([end - 1 for end, wants in zip(bounds[1:], wants_logits, strict=True) if wants],
+                               torch.int64)
         return self.model.compute_logits(hidden[last])
 
     def decode_logits(self, requests: list[Request]) -> torch.Tensor:
@@ -158,19 +188,22 @@ class ModelRunner:
         blocks = request.block_ids if block_ids is None else block_ids
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _mirror_slots(self, requests: list[Request], cu_seqlens: list[int]
+    def _mirror_slots(self, chunks: list[tuple[Request, int, int]], cu_seqlens: list[int]
                       ) -> list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]:
         """Per mirrored pool, the slot of each of this step's tokens in it (-1 for tokens going elsewhere): one
         more store per layer per pool, built once per step (no per-layer host work)."""
         by_pool: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]] = {}
-        for i, request in enumerate(requests):
+        for i, (request, start, num_new) in enumerate(chunks):
             mirror = request.kv_mirror
             if mirror is None:
                 continue
             _, slots = by_pool.setdefault(id(mirror.layers), (mirror.layers, [-1] * cu_seqlens[-1]))
-            start, end = cu_seqlens[i], cu_seqlens[i + 1]
-            slots[start:end] = self._slots(request, 0, end - start, mirror.block_ids)
+            slots[cu_seqlens[i]:cu_seqlens[i + 1]] = self._slots(request, start, start + num_new, mirror.block_ids)
         return [(layers, self._to_device(slots, torch.int64)) for layers, slots in by_pool.values()]
+
+    def _block_tables(self, requests: list[Request]) -> torch.Tensor:
+        max_blocks = max(len(r.block_ids) for r in requests)
+        return self._to_device([r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in requests], torch.int32)
 
     def _host(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         tensor = torch.tensor(values, dtype=dtype)

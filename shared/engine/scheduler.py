@@ -1,4 +1,15 @@
-"""Continuous batching: admission by free KV blocks, FCFS, preemption by recompute."""
+"""Continuous batching with chunked prefill: decode tokens first, then prompt chunks up to a token budget.
+
+Each step gives every scheduled request a number of new tokens to compute (its KV is then in the cache):
+one for a request that is decoding, a chunk of its prompt for one that is prefilling (a long prompt takes
+several steps). The step's token budget (`max_num_batched_tokens`) is filled by the running requests first,
+in order, then by waiting requests admitted first come, first served (a later request never overtakes the
+head of the queue). A request samples a token in the step that computes its last pending token. Blocks are
+allocated as the tokens that need them are scheduled; when a running request cannot grow, the newest running
+request is preempted by recompute (its blocks are freed and it goes back to the front of the queue).
+
+Without chunked prefill a prompt is scheduled whole or not at all (the budget must then hold a whole prompt).
+"""
 
 from __future__ import annotations
 
@@ -10,23 +21,35 @@ from tandem.engine.block_pool import BlockPool
 from tandem.engine.request import Request, RequestStatus
 
 
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
 @dataclass
 class SchedulerOutput:
-    """One step's work: either a prefill batch (whole prompts) or a decode batch (one token each), and the
-    requests whose blocks were reserved for a remote prefill this step (they compute nothing here)."""
+    """One step's work. `requests[i]` computes `num_new_tokens[i]` tokens from its `num_computed_tokens` on
+    (decode tokens first, then prompt chunks); those whose last pending token is among them sample one.
+    `reserved`: requests whose blocks were reserved for a remote prefill this step (they compute nothing here)."""
 
-    is_prefill: bool
     requests: list[Request]
+    num_new_tokens: list[int]
     preempted: list[Request] = field(default_factory=list)
     reserved: list[Request] = field(default_factory=list)
 
     @property
+    def is_prefill(self) -> bool:
+        """False for a pure decode step (one token for each request, every one of them decoding): the step that
+        runs through the CUDA graphs; True when any prompt (or a recomputation) is being computed."""
+        return any(r.is_prefilling for r in self.requests)
+
+    @property
     def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.requests) if self.is_prefill else len(self.requests)
+        return sum(self.num_new_tokens)
 
-
-def num_blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+    def samples(self, index: int) -> bool:
+        """Whether requests[index] samples a token this step (its chunk reaches its last token)."""
+        request = self.requests[index]
+        return request.num_computed_tokens + self.num_new_tokens[index] == request.num_tokens
 
 
 class Scheduler:
@@ -34,12 +57,13 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, block_pool: BlockPool, block_size: int,
                  eos_token_ids: tuple[int, ...]) -> None:
+        assert config.max_num_batched_tokens is not None, "resolve the token budget first (SchedulerConfig.resolved)"
         self.config = config
         self.block_pool = block_pool
         self.block_size = block_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order: the last is the newest (preempted first)
         # Decode role: requests whose pages a remote prefill worker is writing.
         self.receiving: dict[str, Request] = {}
         # Prefill role: prefilled requests whose blocks are held until their pages are exported.
@@ -62,6 +86,7 @@ class Scheduler:
         """The pages have landed and the first token is known: the request joins the running batch."""
         del self.receiving[request.req_id]
         request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = request.num_prefill_tokens = request.num_tokens
         self.running.append(request)
 
     def prefill_locally(self, request: Request, reason: str) -> None:
@@ -77,70 +102,88 @@ class Scheduler:
 
     # -- scheduling ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
-        batch, reserved = self._admit()
-        output = SchedulerOutput(is_prefill=True, requests=batch) if batch else self._schedule_decode()
-        if reserved:
-            output = output or SchedulerOutput(is_prefill=False, requests=[])
-            output.reserved = reserved
-        return output
-
-    def _admit(self) -> tuple[list[Request], list[Request]]:
-        """Admit waiting requests first come, first served: a prompt to compute joins this step's prefill
-        batch (within the token budget); a prompt a remote worker computes gets its blocks reserved and waits
-        for its pages. A request that does not fit stops admission: no later request overtakes it."""
-        batch: list[Request] = []
+        budget: int = self.config.max_num_batched_tokens  # type: ignore[assignment]  # resolved (see __init__)
+        chunked = self.config.enable_chunked_prefill
+        decodes: list[tuple[Request, int]] = []
+        chunks: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget:
+                if not chunked:
+                    index += 1  # a whole prompt that does not fit this step; the next one may
+                    continue
+                num_new = budget
+            if not self._grow(request, num_new, index, preempted):
+                break  # the request itself was preempted: it was the newest, nothing after it runs
+            (chunks if request.is_prefilling else decodes).append((request, num_new))
+            budget -= num_new
+            index += 1
         reserved: list[Request] = []
-        num_tokens = 0
+        if not preempted:  # a step that had to preempt admits nobody new
+            budget = self._admit(budget, chunks, reserved)
+        scheduled = decodes + chunks  # decode tokens first, then prompt chunks
+        if not scheduled and not preempted and not reserved:
+            return None
+        return SchedulerOutput(requests=[r for r, _ in scheduled], num_new_tokens=[n for _, n in scheduled],
+                               preempted=preempted, reserved=reserved)
+
+    def _grow(self, request: Request, num_new: int, index: int, preempted: list[Request]) -> bool:
+        """Blocks for `request`'s next `num_new` tokens, preempting the newest running requests after it (then
+        itself) if the pool is short. False if `request` itself was preempted."""
+        needed = num_blocks_for(request.num_computed_tokens + num_new, self.block_size) - len(request.block_ids)
+        while needed > 0 and not self.block_pool.can_allocate(needed):
+            victim = self.running[-1]
+            preempted.append(self._preempt(victim))
+            if victim is request:
+                return False
+        if needed > 0:
+            request.block_ids += self.block_pool.allocate(needed)
+        return True
+
+    def _admit(self, budget: int, chunks: list[tuple[Request, int]], reserved: list[Request]) -> int:
+        """Admit waiting requests first come, first served: a prompt to compute joins this step (a chunk of it
+        within the budget, or all of it without chunking); a prompt a remote worker computes gets all its blocks
+        reserved and waits for its pages. The first request that does not fit stops admission."""
+        chunked = self.config.enable_chunked_prefill
         while self.waiting:
             request = self.waiting[0]
-            num_blocks = num_blocks_for(request.num_tokens, self.block_size)
-            if (len(self.running) + len(self.receiving) >= self.config.max_num_seqs
-                    or not self.block_pool.can_allocate(num_blocks)):
+            if len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
                 break
-            if not request.remote_prefill and num_tokens + request.num_tokens > self.config.max_num_batched_tokens:
-                break
-            self.waiting.popleft()
-            request.block_ids = self.block_pool.allocate(num_blocks)
             if request.remote_prefill:
+                num_blocks = num_blocks_for(request.num_tokens, self.block_size)
+                if not self.block_pool.can_allocate(num_blocks):
+                    break
+                self.waiting.popleft()
+                request.block_ids = self.block_pool.allocate(num_blocks)
                 request.status = RequestStatus.WAITING_FOR_KV
                 self.receiving[request.req_id] = request
                 reserved.append(request)
                 continue
-            request.status = RequestStatus.RUNNING
-            num_tokens += request.num_tokens
-            batch.append(request)
-            self.running.append(request)
-        return batch, reserved
-
-    def _schedule_decode(self) -> SchedulerOutput | None:
-        scheduled: list[Request] = []
-        preempted: list[Request] = []
-        running = list(self.running)
-        while running:
-            request = running.pop(0)
-            # The step writes the K/V of the last token at position num_tokens - 1.
-            while num_blocks_for(request.num_tokens, self.block_size) > len(request.block_ids):
-                if self.block_pool.can_allocate(1):
-                    request.block_ids += self.block_pool.allocate(1)
-                elif running:
-                    preempted.append(self._preempt(running.pop()))  # the newest gives way
-                else:
-                    preempted.append(self._preempt(request))
-                    request = None
-                    break
-            if request is not None:
-                scheduled.append(request)
-            if len(scheduled) >= self.config.max_num_seqs:
+            num_new = request.num_tokens - request.num_computed_tokens
+            if budget <= 0 or (num_new > budget and not chunked):
                 break
-        if not scheduled and not preempted:
-            return None
-        return SchedulerOutput(is_prefill=False, requests=scheduled, preempted=preempted)
+            num_new = min(num_new, budget)
+            num_blocks = num_blocks_for(request.num_computed_tokens + num_new, self.block_size)
+            if not self.block_pool.can_allocate(num_blocks - len(request.block_ids)):
+                break
+            self.waiting.popleft()
+            request.block_ids += self.block_pool.allocate(num_blocks - len(request.block_ids))
+            request.status = RequestStatus.RUNNING
+            request.num_prefill_tokens = request.num_tokens
+            self.running.append(request)
+            chunks.append((request, num_new))
+            budget -= num_new
+        return budget
 
     def _preempt(self, request: Request) -> Request:
         """Recompute later: free the blocks now; the request goes back to the front of the queue."""
         self.running.remove(request)
         self.block_pool.free(request.block_ids)
         request.block_ids = []
+        request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         # Recomputed here: its pages are gone, whoever computed them first.
@@ -152,14 +195,23 @@ class Scheduler:
     # -- results -------------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, token_ids: list[int],
                            logprobs: list[float]) -> list[Request]:
-        """Append each request's new token, finish those that stop; returns the finished ones."""
+        """Advance every scheduled request by its computed tokens and append a sampled token to each that
+        sampled (`token_ids` in the order of those requests); finish those that stop. Returns the finished."""
         finished: list[Request] = []
-        for request, token_id, logprob in zip(output.requests, token_ids, logprobs, strict=True):
+        sampled = iter(zip(token_ids, logprobs, strict=True))
+        for i, (request, num_new) in enumerate(zip(output.requests, output.num_new_tokens, strict=True)):
+            samples = output.samples(i)
+            token = next(sampled) if samples else None
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            if output.is_prefill:
+            if request.is_prefilling:
+                # Counted whoever asked: a prompt computed here, or a preempted request's recomputation.
                 reason = request.local_prefill_reason
-                request.local_prefill_tokens[reason] = request.local_prefill_tokens.get(reason, 0) + request.num_tokens
+                request.local_prefill_tokens[reason] = request.local_prefill_tokens.get(reason, 0) + num_new
+            request.num_computed_tokens += num_new
+            if token is None:
+                continue
+            token_id, logprob = token
             if request.prefill_only:
                 # The decode worker applies the stop rules to this token; the pages must ship anyway.
                 request.output_token_ids.append(token_id)

@@ -43,16 +43,18 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def pages_to_messages(layer: int, k: torch.Tensor, v: torch.Tensor,
-                      max_chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[worker_pb2.KVPages]:
-    """One layer's pages ([num_blocks, block_size, Hkv, D] each, on the CPU) as chunked messages."""
+def pages_to_messages(layer: int, k: torch.Tensor, v: torch.Tensor, max_chunk_bytes: int = MAX_CHUNK_BYTES,
+                      first_block: int = 0) -> Iterator[worker_pb2.KVPages]:
+    """One layer's pages ([num_blocks, block_size, Hkv, D] each, on the CPU) as chunked messages; the first of
+    them is the request's block number `first_block` (a prompt computed in chunks ships its blocks as they fill)."""
     num_blocks = k.shape[0]
     block_bytes = 2 * k[0].numel() * k.element_size()
     per_chunk = max(1, max_chunk_bytes // block_bytes)
     for start in range(0, num_blocks, per_chunk):
         k_bytes = _raw_bytes(k[start:start + per_chunk])
         v_bytes = _raw_bytes(v[start:start + per_chunk])
-        yield worker_pb2.KVPages(layer=layer, block_start=start, num_blocks=min(per_chunk, num_blocks - start),
+        yield worker_pb2.KVPages(layer=layer, block_start=first_block + start,
+                                 num_blocks=min(per_chunk, num_blocks - start),
                                  k=k_bytes, v=v_bytes, crc32=zlib.crc32(v_bytes, zlib.crc32(k_bytes)))
 
 
@@ -101,15 +103,16 @@ class PageExporter:
         self._staging: dict[int, list[torch.Tensor]] = {}
         self._staging_lock = threading.Lock()
 
-    def begin_step(self, requests: list[tuple[str, list[int]]],
+    def begin_step(self, requests: list[tuple[str, int, list[int]]],
                    deliver: Callable[[str, list[worker_pb2.KVPages]], None]) -> Callable[[int], None]:
-        """Engine thread, before the step's forward: `requests` are (request id, block ids). Returns what to call
-        with each layer's index once it has stored its K/V (queued on the current stream); `deliver(req_id,
-        messages)` then runs on the worker thread with that request's messages of that layer."""
-        block_ids = [b for _, blocks in requests for b in blocks]
+        """Engine thread, before the step's forward: `requests` are (request id, index of the first block this step
+        writes in the request's own block list, those blocks' ids). Returns what to call with each layer's index
+        once it has stored its K/V (queued on the current stream); `deliver(req_id, messages)` then runs on the
+        worker thread with that request's messages of that layer."""
+        block_ids = [b for _, _, blocks in requests for b in blocks]
         spans, start = [], 0
-        for req_id, blocks in requests:
-            spans.append((req_id, start, len(blocks)))
+        for req_id, first_block, blocks in requests:
+            spans.append((req_id, first_block, start, len(blocks)))
             start += len(blocks)
         index = torch.tensor(block_ids, dtype=torch.int64)
         if self.stream is not None:
@@ -155,13 +158,14 @@ class PageExporter:
             self._staging.setdefault(base.shape[1], []).append(base)
 
     def _deliver(self, layer: int, pages: torch.Tensor, done: torch.cuda.Event | None,
-                 spans: list[tuple[str, int, int]], deliver: Callable[[str, list[worker_pb2.KVPages]], None]) -> None:
+                 spans: list[tuple[str, int, int, int]],
+                 deliver: Callable[[str, list[worker_pb2.KVPages]], None]) -> None:
         try:
             if done is not None:
                 done.synchronize()
-            for req_id, start, num_blocks in spans:
+            for req_id, first_block, start, num_blocks in spans:
                 k, v = pages[0, start:start + num_blocks], pages[1, start:start + num_blocks]
-                deliver(req_id, list(pages_to_messages(layer, k, v)))
+                deliver(req_id, list(pages_to_messages(layer, k, v, first_block=first_block)))
         except Exception:  # the request's stream then ends without these pages: the receiver sees a short transfer
             log.exception("exporting KV pages of layer %d failed", layer)
         finally:

@@ -33,7 +33,9 @@ def counted(ops: Ops, calls: Counter[str]) -> Ops:
 def run(backend: str, calls: Counter[str]) -> list[list[int]]:
     config = EngineConfig(model=load_model_config("dummy:tiny", fetch=False),
                           cache=CacheConfig(block_size=8, num_blocks=32),
-                          scheduler=SchedulerConfig(max_model_len=96, max_num_batched_tokens=128))
+                          # A budget of 16 tokens: the 23-token prompt is computed in two chunks, the second over
+                          # the first's pages (paged prefill attention) beside the other request's decode tokens.
+                          scheduler=SchedulerConfig(max_model_len=96, max_num_batched_tokens=16))
     engine = Engine(config, ModelRunner(config, ops=counted(get_ops(backend), calls)))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [[5, 9, 200, 31], list(range(100, 123))]  # 4 and 23 tokens: a partial block each
@@ -49,6 +51,9 @@ def test_engine_runs_the_kernels_and_matches_the_reference() -> None:
     kernel_calls: Counter[str] = Counter()
     reference_calls: Counter[str] = Counter()
     assert run("triton", kernel_calls) == run("torch", reference_calls)
-    # Every op ran on the kernel path: 2 layers x (1 prefill + 5 decode steps), plus the final norm.
+    # Every op ran on the kernel path, as often as on the reference path: step 1 prefills the 4-token prompt and
+    # the first 12 tokens of the other (contiguous prefill); step 2 decodes the first beside the second's last 11
+    # tokens (decode + paged prefill); 5 decode-only steps follow.
     assert set(kernel_calls) == set(OPS) and kernel_calls == reference_calls
-    assert kernel_calls["paged_decode_attention"] == 2 * 5 and kernel_calls["prefill_attention"] == 2
+    assert kernel_calls["prefill_attention"] == 2 and kernel_calls["paged_prefill_attention"] == 2
+    assert kernel_calls["paged_decode_attention"] == 2 * 6

@@ -13,7 +13,7 @@ from tandem.kernels import Ops, get_ops, triton_available
 from tandem.kernels import _triton as guarded_triton
 
 OP_NAMES = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "store_kv",
-            "prefill_attention", "paged_decode_attention"]
+            "prefill_attention", "paged_decode_attention", "paged_prefill_attention"]
 
 
 def test_backends_expose_every_op() -> None:

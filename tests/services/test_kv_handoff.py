@@ -76,8 +76,8 @@ def test_pages_leave_while_the_forward_still_runs(model_folder: Path) -> None:
     delivered = threading.Event()
     num_layers = engine.config.model.num_hidden_layers
 
-    def on_prefill_step(requests: list) -> object:
-        layer_done = exporter.begin_step([(r.req_id, list(r.block_ids)) for r in requests],
+    def on_prefill_step(chunks: list) -> object:
+        layer_done = exporter.begin_step([(r.req_id, 0, list(r.block_ids)) for r, _, _ in chunks],
                                          lambda req_id, messages: delivered.set())
 
         def hook(layer: int) -> None:
@@ -101,8 +101,9 @@ async def test_a_damaged_page_message_is_caught_counted_and_recovered(workers: t
 
     original = kv_transfer.pages_to_messages
 
-    def damaging(layer: int, k: torch.Tensor, v: torch.Tensor, *args: object):  # type: ignore[no-untyped-def]
-        for message in original(layer, k, v, *args):  # type: ignore[arg-type]
+    def damaging(layer: int, k: torch.Tensor, v: torch.Tensor, *args: object,  # type: ignore[no-untyped-def]
+                 **kwargs: object):
+        for message in original(layer, k, v, *args, **kwargs):  # type: ignore[arg-type]
             if layer == 1:  # flip one byte of layer 1's K in flight
                 k_bytes = bytearray(message.k)
                 k_bytes[0] ^= 0xFF

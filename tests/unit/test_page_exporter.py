@@ -23,7 +23,7 @@ def test_pages_arrive_in_order_and_equal_a_direct_read(device: str) -> None:
     exporter = PageExporter(cache)
     delivered: list[tuple[str, int, list[worker_pb2.KVPages], str]] = []
     # Two requests of one step; blocks out of order, as a pool hands them out.
-    requests = [("a", [7, 2, 19, 3]), ("b", [11])]
+    requests = [("a", 0, [7, 2, 19, 3]), ("b", 2, [11])]  # b: its third block (a later chunk of its prompt)
     for _ in range(2):  # two steps: the second reuses the first one's staging buffers
         layer_done = exporter.begin_step(requests, lambda req_id, messages: delivered.append(
             (req_id, messages[0].layer, messages, threading.current_thread().name)))
@@ -34,8 +34,10 @@ def test_pages_arrive_in_order_and_equal_a_direct_read(device: str) -> None:
     assert [(req_id, layer) for req_id, layer, _, _ in delivered] == [
         (req_id, layer) for _ in range(2) for layer in range(3) for req_id in ("a", "b")]
     assert all(name.startswith("kv-export") for _, _, _, name in delivered)
-    blocks = dict(requests)
+    blocks = {req_id: (first, ids) for req_id, first, ids in requests}
     for req_id, layer, messages, _ in delivered:
-        index = torch.tensor(blocks[req_id], device=device)
-        expected = list(pages_to_messages(layer, cache[layer, 0, index].cpu(), cache[layer, 1, index].cpu()))
-        assert messages == expected
+        first, ids = blocks[req_id]
+        index = torch.tensor(ids, device=device)
+        expected = list(pages_to_messages(layer, cache[layer, 0, index].cpu(), cache[layer, 1, index].cpu(),
+                                          first_block=first))
+        assert messages == expected and messages[0].block_start == first

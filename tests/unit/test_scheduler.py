@@ -23,15 +23,17 @@ def make_request(req_id: str, prompt_len: int, max_tokens: int = 8, **kw: object
                    params=SamplingParams(max_tokens=max_tokens, **kw), seed=0)  # type: ignore[arg-type]
 
 
-def make_scheduler(num_blocks: int, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+def make_scheduler(num_blocks: int, max_num_seqs: int = 8, budget: int = 64, chunked: bool = False) -> Scheduler:
+    """Whole-prompt steps unless `chunked` (the tests of chunked prefill are below)."""
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
     return Scheduler(config, BlockPool(num_blocks), BLOCK, (EOS,))
 
 
 def run_step(scheduler: Scheduler, token: int = 5) -> list[Request]:
     output = scheduler.schedule()
     assert output is not None
-    return scheduler.update_from_output(output, [token] * len(output.requests), [0.0] * len(output.requests))
+    num_sampling = sum(output.samples(i) for i in range(len(output.requests)))
+    return scheduler.update_from_output(output, [token] * num_sampling, [0.0] * num_sampling)
 
 
 def test_block_pool_allocates_frees_and_detects_double_free() -> None:
@@ -135,11 +137,14 @@ def test_finish_frees_blocks_in_every_state() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(6, 24))
-def test_random_mix_always_returns_every_block(seed: int, num_blocks: int) -> None:
-    """Any mix of finishing, EOS-stopped, aborted and preempted requests leaves the pool whole."""
+@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(6, 24), chunked=st.booleans(),
+       budget=st.integers(1, 64))
+def test_random_mix_always_returns_every_block(seed: int, num_blocks: int, chunked: bool, budget: int) -> None:
+    """Any mix of finishing, EOS-stopped, aborted and preempted requests, with prompts in chunks or whole, leaves
+    the pool whole, and every request that is not aborted finishes."""
     rng = random.Random(seed)
-    scheduler = make_scheduler(num_blocks=num_blocks, max_num_seqs=4)
+    budget = budget if chunked else 64  # whole prompts need a budget that holds one
+    scheduler = make_scheduler(num_blocks=num_blocks, max_num_seqs=4, budget=budget, chunked=chunked)
     live: list[Request] = []
     for step in range(60):
         if rng.random() < 0.4:
@@ -150,11 +155,75 @@ def test_random_mix_always_returns_every_block(seed: int, num_blocks: int) -> No
             scheduler.finish(live.pop(rng.randrange(len(live))), RequestStatus.FINISHED_ABORTED)
         output = scheduler.schedule()
         if output is not None:
-            tokens = [EOS if rng.random() < 0.05 else 5 for _ in output.requests]
+            assert output.num_tokens <= budget
+            num_sampling = sum(output.samples(i) for i in range(len(output.requests)))
+            tokens = [EOS if rng.random() < 0.05 else 5 for _ in range(num_sampling)]
             scheduler.update_from_output(output, tokens, [0.0] * len(tokens))
         for r in scheduler.running:
-            assert len(r.block_ids) >= num_blocks_for(r.num_tokens - 1, BLOCK)
-    for r in live:
-        scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
+            assert len(r.block_ids) >= num_blocks_for(r.num_computed_tokens, BLOCK)
+            assert r.num_computed_tokens <= r.num_tokens
+        live = [r for r in live if not r.status.is_finished]
+    for _ in range(2000):  # no new arrivals: everything admitted runs to its end
+        output = scheduler.schedule()
+        if output is None:
+            break
+        num_sampling = sum(output.samples(i) for i in range(len(output.requests)))
+        scheduler.update_from_output(output, [5] * num_sampling, [0.0] * num_sampling)
+    assert all(r.status.is_finished for r in live), [r.status for r in live]
     scheduler.block_pool.check_integrity()
     assert scheduler.block_pool.num_free_blocks == num_blocks
+
+
+# -- chunked prefill ---------------------------------------------------------------------------------------
+def test_long_prompt_is_computed_in_chunks_next_to_running_decodes() -> None:
+    scheduler = make_scheduler(num_blocks=64, budget=8, chunked=True)
+    running = make_request("d", 3, max_tokens=20)
+    scheduler.add(running)
+    run_step(scheduler)  # d prefilled (3 tokens) and sampled its first token
+    long = make_request("p", 19, max_tokens=2)
+    scheduler.add(long)
+    seen = []
+    for _ in range(3):
+        output = scheduler.schedule()
+        assert output is not None
+        seen.append(list(zip([r.req_id for r in output.requests], output.num_new_tokens, strict=True)))
+        num_sampling = sum(output.samples(i) for i in range(len(output.requests)))
+        scheduler.update_from_output(output, [5] * num_sampling, [0.0] * num_sampling)
+    # Decode tokens first, then the prompt in chunks of what is left of the budget (8 - 1); its last chunk
+    # samples its first token.
+    assert seen == [[("d", 1), ("p", 7)], [("d", 1), ("p", 7)], [("d", 1), ("p", 5)]]
+    assert long.num_output_tokens == 1 and running.num_output_tokens == 4
+    assert long.num_computed_tokens == 19
+
+
+def test_budget_below_the_running_count_runs_as_many_decodes_as_fit() -> None:
+    scheduler = make_scheduler(num_blocks=64, budget=2, chunked=True, max_num_seqs=4)
+    requests = [make_request(f"r{i}", 1, max_tokens=3) for i in range(3)]
+    for r in requests:
+        scheduler.add(r)
+    while scheduler.has_unfinished():
+        output = scheduler.schedule()
+        assert output is not None and output.num_tokens <= 2
+        num_sampling = sum(output.samples(i) for i in range(len(output.requests)))
+        scheduler.update_from_output(output, [5] * num_sampling, [0.0] * num_sampling)
+    assert all(r.finish_reason == "length" for r in requests)
+    scheduler.block_pool.check_integrity()
+
+
+def test_preemption_mid_prompt_recomputes_from_the_start() -> None:
+    scheduler = make_scheduler(num_blocks=4, budget=4, chunked=True)
+    old = make_request("old", 8, max_tokens=8)  # needs 4 blocks by its end
+    scheduler.add(old)
+    run_step(scheduler)  # old: 4 of 8 prompt tokens
+    new = make_request("new", 8, max_tokens=2)
+    scheduler.add(new)
+    while old.status is not RequestStatus.FINISHED_LENGTH:
+        run_step(scheduler)
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+    # new was preempted part-way through its prompt (old, older, kept growing), then computed again from 0.
+    assert new.num_preemptions >= 1
+    assert new.finish_reason == "length" and old.finish_reason == "length"
+    assert new.local_prefill_tokens.get("preemption", 0) >= 8 and new.local_prefill_tokens.get("local", 0) > 0
+    scheduler.block_pool.check_integrity()
+    assert scheduler.block_pool.num_free_blocks == 4

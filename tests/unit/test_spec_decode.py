@@ -306,7 +306,7 @@ def test_speculative_generation_equals_one_token_at_a_time() -> None:
         return Request(req_id=f"r{i}", prompt_token_ids=list(prompts[i]), params=SamplingParams(**params[i]),  # type: ignore[arg-type]
                        seed=1000 + i)
 
-    scheduler = Scheduler(SchedulerConfig(), BlockPool(256), block_size=4, eos_token_ids=eos)
+    scheduler = Scheduler(SchedulerConfig().resolved("cpu"), BlockPool(256), block_size=4, eos_token_ids=eos)
     references = [make(i) for i in range(len(params))]
     for reference in references:
         generate_one_at_a_time(lm, reference, scheduler)
@@ -335,7 +335,7 @@ def test_truncate_at_stop_equals_appending_one_token_at_a_time() -> None:
         num_outputs = rng.randint(0, params.max_tokens - 1)
         run = [rng.randrange(6) for _ in range(rng.randint(1, 6))]
         # The reference: the scheduler's own rules, token by token, until the request finishes.
-        scheduler = Scheduler(SchedulerConfig(), BlockPool(16), block_size=4, eos_token_ids=eos)
+        scheduler = Scheduler(SchedulerConfig().resolved("cpu"), BlockPool(16), block_size=4, eos_token_ids=eos)
         request = Request(req_id="r", prompt_token_ids=[1], params=params, seed=0)
         scheduler.add(request)
         scheduler.schedule()
