@@ -95,8 +95,8 @@ class RequestRunner:
                             admission.set_attribute("tandem.kv.blocks_reserved", len(event.block_ids))
                             admission.end()
                         pull = asyncio.create_task(self._pull(
-                            PullRequest(req_id, prompt, prior, params, event.block_ids), request.prefill_address,
-                            deadline, events))
+                            PullRequest(req_id, prompt, prior, params, event.block_ids, event.num_cached_tokens),
+                            request.prefill_address, deadline, events))
                         continue
                     if isinstance(event, _PullFailed):
                         raise event.error
@@ -105,7 +105,8 @@ class RequestRunner:
                     response = worker_pb2.DecodeResponse(
                         token_ids=event.token_ids, logprobs=event.logprobs,
                         finish_reason=finish_reason_to_proto(event.finish_reason) if event.finish_reason else 0,
-                        num_local_prefill_tokens=sum(event.local_prefill_tokens.values()))
+                        num_local_prefill_tokens=sum(event.local_prefill_tokens.values()),
+                        num_cached_tokens=event.num_cached_tokens)
                     for reason, num_tokens in event.local_prefill_tokens.items():
                         metrics.LOCAL_PREFILL_TOKENS.labels(reason=reason).inc(num_tokens)
                     if event.finish_reason is not None:

@@ -65,6 +65,8 @@ class PullRequest:
     output_token_ids: list[int]
     params: SamplingParams
     block_ids: list[int]
+    # Leading tokens whose blocks came from this worker's prefix cache: the prefill worker does not ship them.
+    num_cached_tokens: int = 0
 
 
 class FallBackLocally(Exception):  # noqa: N818 - an outcome, not an error
@@ -131,7 +133,8 @@ class KVPuller:
         call = worker_pb2_grpc.PrefillStub(self.channels.get(address)).Prefill(
             worker_pb2.PrefillRequest(request_id=req_id, prompt_token_ids=request.prompt_token_ids,
                                       sampling=sampling_to_worker(request.params), layout=layout_to_proto(layout),
-                                      target=target, output_token_ids=request.output_token_ids),
+                                      target=target, output_token_ids=request.output_token_ids,
+                                      num_cached_tokens=request.num_cached_tokens),
             metadata=inject_metadata(trace.set_span_in_context(kv_span)),
             timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         start = time.perf_counter()
@@ -163,7 +166,8 @@ class KVPuller:
                     await engine.call(activate)
                     if target is not None:
                         peer.has_handle = True
-                        num_bytes = len(request.block_ids) * layout.block_bytes
+                        num_cached_blocks = request.num_cached_tokens // layout.block_size
+                        num_bytes = (len(request.block_ids) - num_cached_blocks) * layout.block_bytes
                     metrics.KV_TRANSFER_BYTES.inc(num_bytes)
                     metrics.KV_TRANSFER_SECONDS.observe(time.perf_counter() - start)
                     self.traces.kv_transferred(kv_span, num_bytes, layout.num_layers, time.perf_counter() - start)

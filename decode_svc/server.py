@@ -14,6 +14,7 @@ from tandem.decode_svc.kv_pull import KVPuller
 from tandem.decode_svc.servicer import DecodeServicer
 from tandem.decode_svc.tracing import DecodeTraces
 from tandem.engine.engine import StepResult
+from tandem.engine.spec_decode import SpeculativeConfig
 from tandem.serving import metrics
 from tandem.serving.async_engine import AsyncEngine
 from tandem.serving.registry import RedisRegistry
@@ -50,8 +51,9 @@ class PrefillPeers:
 
 
 async def serve(service: ServiceOptions, config: EngineConfig, model_name: str, kv_transport: str = "auto",
-                max_queued: int = 1024, prefill_peers: Sequence[str] = ()) -> None:
-    engine = start_engine(config, "decode")
+                max_queued: int = 1024, prefill_peers: Sequence[str] = (),
+                speculative: SpeculativeConfig | None = None) -> None:
+    engine = start_engine(config, "decode", speculative)
     registry = RedisRegistry(service.redis_url) if service.redis_url else None
     if registry is not None:
         await registry.start()
@@ -60,6 +62,9 @@ async def serve(service: ServiceOptions, config: EngineConfig, model_name: str, 
     def on_step(result: StepResult, seconds: float) -> None:
         if result.requests:  # a step that found nothing to run (all waiting for pages) is no batch
             metrics.BATCH_SIZE.observe(len(result.requests))
+        if result.num_draft_tokens:
+            metrics.SPEC_DRAFT_TOKENS.inc(result.num_draft_tokens)
+            metrics.SPEC_ACCEPTED_TOKENS.inc(result.num_accepted_tokens)
 
     engine.on_step = on_step
     servicer = create_servicer(engine, model_name, kv_transport=kv_transport, max_queued=max_queued, tls=service.tls,

@@ -3,6 +3,11 @@
 Each start runs as its own task (the same `RequestRunner.run` as `Decode.Generate`); a writer sends everything
 that accumulated since its last message, which is one message per engine step when it keeps up and fewer,
 larger ones when it does not. A failed request gets an update with its status and the others go on.
+
+While requests are in flight, the writer also sends an empty message whenever it has sent nothing for
+`SESSION_HEARTBEAT_S` (a request waiting on a long prefill, say): the gateway takes a session that stays silent
+far longer for a frozen worker and moves its requests elsewhere. Heartbeats come from this writer, not from the
+engine, so a worker that is only slow keeps them going, and one that is stopped stops them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import grpc
 from tandem.common.errors import TandemError
 from tandem.decode_svc.generation import RequestRunner
 from tandem.serving.rpc import remote_error, status_of
+from tandem.serving.service import SESSION_HEARTBEAT_S
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -63,7 +69,13 @@ class Sessions:
         reader = asyncio.create_task(self._read(requests, session))
         try:
             while True:
-                await session.ready.wait()
+                try:
+                    async with asyncio.timeout(SESSION_HEARTBEAT_S):
+                        await session.ready.wait()
+                except TimeoutError:
+                    if session.tasks:
+                        yield worker_pb2.SessionResponse()  # a heartbeat: alive, nothing new
+                    continue
                 session.ready.clear()
                 if (message := session.take()) is not None:
                     yield message

@@ -32,6 +32,8 @@ class _RequestTrace:
     num_tokens: int = 0
     num_steps: int = 0
     sum_batch_size: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class DecodeTraces:
@@ -76,10 +78,12 @@ class DecodeTraces:
         if request is None:
             return
         if request.decode_span is None:
+            request.span.set_attribute("tandem.cached_tokens", event.num_cached_tokens)
             if event.queue_s is not None:  # the engine queued and computed the prompt itself
                 self._local_prefill_spans(request, event)
             request.decode_span = self.tracer.start_span("decode", context=request.context)
         request.num_tokens += len(event.token_ids)
+        request.num_draft_tokens, request.num_accepted_tokens = event.num_draft_tokens, event.num_accepted_tokens
         if event.batch_size:  # 0: the first token a prefill worker sampled, not a step of ours
             request.num_steps += 1
             request.sum_batch_size += event.batch_size
@@ -114,5 +118,8 @@ class DecodeTraces:
         if span is None or not span.is_recording():
             return
         span.set_attributes({"tandem.completion_tokens": request.num_tokens, "tandem.decode.steps": request.num_steps,
-                             "tandem.batch_size.mean": request.sum_batch_size / max(1, request.num_steps)})
+                             "tandem.batch_size.mean": request.sum_batch_size / max(1, request.num_steps),
+                             "tandem.spec.draft_tokens": request.num_draft_tokens,
+                             "tandem.spec.accepted_tokens": request.num_accepted_tokens,
+                             "tandem.spec.acceptance": request.num_accepted_tokens / max(1, request.num_draft_tokens)})
         span.end()

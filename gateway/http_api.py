@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API: a second door into the gateway's pipeline, next to gRPC.
 
 One FastAPI app on the gateway's HTTP port, served by uvicorn inside the gateway's event loop, so it
-shares the gRPC servicer's `Router` (routing, detokenization, stop strings), not a copy of it. Also
-serves `/health` and the Prometheus `/metrics`.
+shares the gRPC servicer's `Router` (routing, detokenization, stop strings, limits, concurrency slots), not a
+copy of it. Also serves `/health` and the Prometheus `/metrics`. In front of the app, `RequestGuard` refuses a
+body past `--max-request-bytes` (413) before reading it whole, and every request to `/v1/` while the gateway
+drains (503).
 """
 
 from __future__ import annotations
@@ -18,25 +20,24 @@ from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from tandem.common.errors import InvalidRequestError, OverloadedError, TandemError, UnavailableError
+from tandem.common.errors import TandemError
 from tandem.common.sampling_params import SamplingParams
-from tandem.gateway.auth import UNAUTHENTICATED_MESSAGE, ApiKeys
+from tandem.gateway.auth import ApiKeys
+from tandem.gateway.http_errors import add_error_handlers, error_response, openai_params
+from tandem.gateway.http_guard import RequestGuard, RequireApiKey
 from tandem.gateway.openai_protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     ResponseHeader,
     chat_logprobs,
-    error_body,
     usage,
 )
 from tandem.gateway.router import Completion, Router
@@ -47,6 +48,10 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 # (choice index, new token ids, new text, the choice's progress so far)
 _Event = tuple[int, list[int], str, Completion]
+
+# Tokens whose logprobs a non-streamed reply renders on the event loop at most (~20 ms for 8192 on the 2-core
+# CPU host; 128 choices of them would be seconds).
+_OFFLOAD_LOGPROB_TOKENS = 4096
 
 # The router names fields after the gRPC API; a client of this API must hear its own field names.
 _CHAT_PARAMS = {"prompt": "messages", "prompt_token_ids": "messages", "input": "messages"}
@@ -96,9 +101,10 @@ def create_app(router: Router, api_keys: ApiKeys | None = None) -> FastAPI:
     """The app serving `router`'s model. Errors answer in OpenAI's body shape. With `api_keys` enabled,
     `/v1/*` needs `Authorization: Bearer <key>` (or `x-api-key`); `/health` and `/metrics` stay open."""
     app = FastAPI(title="tandem", summary="OpenAI-compatible API of a tandem gateway")
-    _add_error_handlers(app)
-    if api_keys is not None and api_keys.enabled:
-        app.add_middleware(_RequireApiKey, keys=api_keys)
+    add_error_handlers(app)
+    app.add_middleware(RequestGuard, router=router)
+    if api_keys is not None and api_keys.enabled:  # outermost: a caller without a key gets nothing else
+        app.add_middleware(RequireApiKey, keys=api_keys)
 
     model = router.model
 
@@ -110,10 +116,11 @@ def create_app(router: Router, api_keys: ApiKeys | None = None) -> FastAPI:
         endpoint = _Endpoint(is_chat=True, with_logprobs=body.logprobs, include_usage=body.include_usage,
                              renames=renames)
         span = _start_span(router, request, "chat.completions")
-        with _current_until_error(span), _openai_params(endpoint.renames):
+        with _current_until_error(span), openai_params(endpoint.renames):
             router.check_model(body.model)
             body.check_supported()
-            prompt_ids = router.prompt_ids(messages=[m.as_template_input() for m in body.messages])
+            body.check_limits(router.limits, num_prompts=1)
+            prompt_ids = await router.prompt_ids(messages=[m.as_template_input() for m in body.messages])
             default_max_tokens = router.max_model_len - len(prompt_ids)
             choices = [_Choice(j, 0, prompt_ids, body.sampling_params(body.requested_max_tokens,
                                                                       default_max_tokens, j))
@@ -127,13 +134,15 @@ def create_app(router: Router, api_keys: ApiKeys | None = None) -> FastAPI:
         endpoint = _Endpoint(is_chat=False, with_logprobs=body.logprobs is not None,
                              include_usage=body.include_usage, renames=_COMPLETION_PARAMS)
         span = _start_span(router, request, "completions")
-        with _current_until_error(span), _openai_params(endpoint.renames):
+        with _current_until_error(span), openai_params(endpoint.renames):
             router.check_model(body.model)
             body.check_supported()
+            prompts = body.prompts()
+            body.check_limits(router.limits, num_prompts=len(prompts))
             choices = []
-            for i, prompt in enumerate(body.prompts()):
-                ids = router.prompt_ids(prompt=prompt) if isinstance(prompt, str) else router.prompt_ids(
-                    token_ids=prompt)
+            for i, prompt in enumerate(prompts):
+                ids = await (router.prompt_ids(prompt=prompt) if isinstance(prompt, str)
+                             else router.prompt_ids(token_ids=prompt))
                 choices += [_Choice(i * body.n + j, i, ids, body.sampling_params(
                     body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, j)) for j in range(body.n)]
         header = ResponseHeader.new("cmpl", "text_completion", model.name)
@@ -150,7 +159,9 @@ def create_app(router: Router, api_keys: ApiKeys | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        # Ready means a request could be routed now: at least one decode worker is known.
+        # Ready means a request could be routed now: not draining, and at least one decode worker is known.
+        if router.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if not router.registry.workers("decode"):
             return JSONResponse({"status": "no decode worker"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -175,10 +186,16 @@ async def _respond(router: Router, request: Request, endpoint: _Endpoint, header
         finals = await _unless_disconnected(request, _collect(events, endpoint))
         if finals is None:
             return Response(status_code=499)  # nobody is listening; the requests were cancelled
+        if endpoint.with_logprobs and sum(len(f.token_ids) for f in finals.values()) > _OFFLOAD_LOGPROB_TOKENS:
+            # Each token's text is a decode call, and the body is large: built and rendered on a thread, in small
+            # steps (a call per token, a JSON dump per choice) between which the event loop gets the GIL back.
+            content = await asyncio.to_thread(
+                lambda: _render_json(_final_body(router, endpoint, header, choices, finals)))
+            return Response(content, media_type="application/json")
         return JSONResponse(_final_body(router, endpoint, header, choices, finals))
     # The first event comes before the response starts, so that a request refused by the router or by
     # decode (a bad value, no worker, overload) gets a real status code rather than a 200 with an error.
-    with _openai_params(endpoint.renames):
+    with openai_params(endpoint.renames):
         try:
             first = await anext(events)
         except StopAsyncIteration:  # no choices: cannot happen (n >= 1, prompts non-empty)
@@ -189,7 +206,7 @@ async def _respond(router: Router, request: Request, endpoint: _Endpoint, header
 async def _collect(events: AsyncGenerator[_Event, None],
                    endpoint: _Endpoint) -> dict[int, Completion]:
     finals: dict[int, Completion] = {}
-    with _openai_params(endpoint.renames):
+    with openai_params(endpoint.renames):
         async with contextlib.aclosing(events):
             async for index, _, _, progress in events:
                 if progress.finish_reason is not None:
@@ -208,10 +225,25 @@ def _final_body(router: Router, endpoint: _Endpoint, header: ResponseHeader, cho
     return header.body(bodies, usage=_usage(choices, finals))
 
 
-def _usage(choices: list[_Choice], finals: dict[int, Completion]) -> dict[str, int]:
-    # As OpenAI counts: each prompt once, however many samples it has; every sample's tokens.
+def _render_json(body: dict[str, Any]) -> bytes:
+    """`body` as JSONResponse renders it, its choices dumped one at a time (each dump holds the GIL throughout)."""
+    def dumps(value: Any) -> str:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+    fields = [f"{dumps(key)}:" + ("[" + ",".join(dumps(c) for c in value) + "]" if key == "choices" else dumps(value))
+              for key, value in body.items()]
+    return ("{" + ",".join(fields) + "}").encode("utf-8")
+
+
+def _usage(choices: list[_Choice], finals: dict[int, Completion]) -> dict[str, Any]:
+    # As OpenAI counts: each prompt once, however many samples it has (its cached tokens: its first sample's);
+    # every sample's tokens.
     prompt_lengths = {c.prompt_index: len(c.prompt_ids) for c in choices}
-    return usage(sum(prompt_lengths.values()), sum(len(p.token_ids) for p in finals.values()))
+    cached: dict[int, int] = {}
+    for choice in choices:
+        if choice.index in finals:
+            cached.setdefault(choice.prompt_index, finals[choice.index].num_cached_tokens)
+    return usage(sum(prompt_lengths.values()), sum(len(p.token_ids) for p in finals.values()), sum(cached.values()))
 
 
 async def _sse(router: Router, endpoint: _Endpoint, header: ResponseHeader, choices: list[_Choice],
@@ -238,7 +270,7 @@ async def _sse(router: Router, endpoint: _Endpoint, header: ResponseHeader, choi
 
     try:
         async with contextlib.aclosing(events):
-            with _openai_params(endpoint.renames):
+            with openai_params(endpoint.renames):
                 if first is not None and (event := chunk(*first)) is not None:
                     yield event
                 async for index, new_ids, text, progress in events:
@@ -247,7 +279,7 @@ async def _sse(router: Router, endpoint: _Endpoint, header: ResponseHeader, choi
         if endpoint.include_usage:
             yield _event(header.body([], usage=_usage(choices, finals)))
     except TandemError as error:
-        status, body = _error_response(error)
+        status, body = error_response(error)
         log.info("stream %s ended by %s (%d)", header.id, type(error).__name__, status)
         yield _event(body)
     yield "data: [DONE]\n\n"
@@ -282,44 +314,29 @@ async def _merged(router: Router, request_id: str, choices: list[_Choice],
             async for new_ids, text, progress in stream:
                 queue.put_nowait((choice.index, new_ids, text, progress))
 
-    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
-    for task in tasks:
-        # A finished task reports itself through the queue, so its error reaches the consumer in order.
-        task.add_done_callback(queue.put_nowait)
-    try:
-        num_running = len(tasks)
-        while num_running:
-            item = await queue.get()
-            if isinstance(item, asyncio.Task):
-                num_running -= 1
-                error = None if item.cancelled() else item.exception()
-                if error is not None:
-                    raise error
-                continue
-            yield item
-    finally:
+    # One concurrency slot per choice, all taken here at once (or the request is refused whole); the choices'
+    # router streams use them rather than each taking one.
+    with router.admission.hold(len(choices)) as slots:
+        tasks = [slots.create_task(pump(c)) for c in choices]
         for task in tasks:
-            task.cancel()
-        # Wait for the cancels to run: each closes its decode stream (freeing blocks) before we return.
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class _RequireApiKey:
-    """Pure ASGI (not BaseHTTPMiddleware, which would sit between a stream and its disconnect): a `/v1/`
-    request without an accepted key gets 401 in OpenAI's error shape before it reaches the app."""
-
-    def __init__(self, app: Any, keys: ApiKeys) -> None:
-        self.app = app
-        self.keys = keys
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]]
-            if not self.keys.check(headers):
-                body = error_body(UNAUTHENTICATED_MESSAGE, "invalid_request_error", None, "invalid_api_key")
-                await JSONResponse(body, status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+            # A finished task reports itself through the queue, so its error reaches the consumer in order.
+            task.add_done_callback(queue.put_nowait)
+        try:
+            num_running = len(tasks)
+            while num_running:
+                item = await queue.get()
+                if isinstance(item, asyncio.Task):
+                    num_running -= 1
+                    error = None if item.cancelled() else item.exception()
+                    if error is not None:
+                        raise error
+                    continue
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            # Wait for the cancels to run: each closes its decode stream (freeing blocks) before we return.
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _EventStream(StreamingResponse):
@@ -383,58 +400,6 @@ def _current_until_error(span: Span) -> Iterator[None]:
             raise
 
 
-# Errors ---------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _openai_params(renames: dict[str, str]) -> Iterator[None]:
-    """Re-raise an InvalidRequestError under the field name this request used."""
-    try:
-        yield
-    except InvalidRequestError as error:
-        name = renames.get(error.field, error.field)
-        if name == error.field:
-            raise
-        raise InvalidRequestError(name, error.message) from None
-
-
-def _error_response(error: TandemError) -> tuple[int, dict[str, Any]]:
-    if isinstance(error, InvalidRequestError):
-        if error.field == "model":
-            return 404, error_body(error.message, "invalid_request_error", "model", "model_not_found")
-        return 400, error_body(str(error), "invalid_request_error", error.field)
-    if isinstance(error, OverloadedError):
-        return 429, error_body(str(error), "rate_limit_error", None, "rate_limit_exceeded")
-    if isinstance(error, UnavailableError):
-        return 503, error_body(str(error), "server_error", None, "service_unavailable")
-    log.error("unmapped %s: %s", type(error).__name__, error)
-    return 500, error_body(str(error), "server_error")
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(TandemError)
-    async def tandem_error(request: Request, error: TandemError) -> Response:
-        status, body = _error_response(error)
-        return JSONResponse(body, status_code=status)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, error: RequestValidationError) -> Response:
-        # Pydantic's first complaint, with its location as OpenAI's `param` ("messages.0.role").
-        first = error.errors()[0]
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
-        if first.get("type") == "extra_forbidden":
-            message = f"{param}: unsupported parameter"
-        else:
-            message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, error: HTTPException) -> Response:
-        return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code,
-                            headers=error.headers)
-
-
 # Serving --------------------------------------------------------------------------------------------
 
 
@@ -455,7 +420,9 @@ class HttpServer:
     server: uvicorn.Server
     task: asyncio.Task[None]
 
-    async def stop(self) -> None:
+    async def stop(self, force: bool = False) -> None:
+        """Stop serving; requests in flight get the grace period unless `force` (it has run out already)."""
+        self.server.force_exit = force
         self.server.should_exit = True
         await self.task
 

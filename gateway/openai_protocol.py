@@ -3,28 +3,47 @@
 No I/O here: `http_api.py` serves these. Requests are strict: a field we do not know, or a known one
 with a value we cannot honour, is an error naming that field (OpenAI's body shape, status 400); a
 known field whose value changes nothing (`n: 1`, `presence_penalty: 0`, `user`) is accepted, because
-client libraries send such values routinely.
+client libraries send such values routinely. Types are strict too (pydantic's strict mode, as OpenAI's own
+API): `true` is no integer, `5.0` no count, `"1"` no number (an integer is a number); and text must be valid
+Unicode (JSON's `\ud800` escapes can spell a lone surrogate, which no tokenizer or UTF-8 encoder takes).
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tandem.common.errors import InvalidRequestError
 from tandem.common.sampling_params import SamplingParams
+from tandem.gateway.limits import GatewayLimits
 
 # The legacy completions endpoint's documented default; chat defaults to the rest of the context.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 _SEED_MODULUS = 2**64
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """Every string of a request, or of a list of them, must be valid Unicode (the regex runs in C: a few
+        µs for a long prompt). Lists are homogeneous by now, so a list of ids is not walked."""
+        texts = [value] if isinstance(value, str) else value if isinstance(value, list) and value and isinstance(
+            value[0], str) else ()
+        for i, text in enumerate(texts):
+            if (match := _SURROGATE.search(text)) is not None:
+                where = f"item {i}, " if texts is value else ""
+                raise ValueError(f"is not valid Unicode: a lone surrogate (U+{ord(match.group()):04X}) at {where}"
+                                 f"character {match.start()}")
+        return value
 
 
 class StreamOptions(_Strict):
@@ -37,7 +56,7 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    # "developer" is OpenAI's newer name for "system"; tool messages need tool calling, which we lack.
+    # `limits.CHAT_ROLES`, the roles both doors accept (a Literal, so that the schema lists them).
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
@@ -57,9 +76,11 @@ class _GenerationRequest(_Strict):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    # The range the worker protocol carries (uint64): a larger or negative seed is refused, never wrapped.
+    seed: int | None = Field(None, ge=0, lt=_SEED_MODULUS)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=128)
+    # Bounded by prompts × n against the gateway's --max-sequences-per-request (`check_limits`).
+    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted only at values that change nothing (checked in `check_supported`).
@@ -85,6 +106,12 @@ class _GenerationRequest(_Strict):
         if self.logit_bias:
             raise InvalidRequestError("logit_bias", "is not supported; only an empty map is accepted")
 
+    def check_limits(self, limits: GatewayLimits, num_prompts: int) -> None:
+        """The gateway's bounds on what this request asks for, checked before its prompts are tokenized."""
+        limits.check_sequences(num_prompts, self.n)
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        limits.check_stop(stop, self.stop_token_ids or [])
+
     def sampling_params(self, max_tokens: int | None, default_max_tokens: int, choice: int) -> SamplingParams:
         """The engine's params for sample `choice` (0..n-1) of one prompt; bad values raise
         InvalidRequestError naming the field."""
@@ -92,8 +119,9 @@ class _GenerationRequest(_Strict):
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "stop": self.stop, "stop_token_ids": self.stop_token_ids,
         }
-        # n seeded samples of one prompt must differ, yet each stays reproducible.
-        seed = self.seed if self.seed is None or self.seed < 0 else (self.seed + choice) % _SEED_MODULUS
+        # n seeded samples of one prompt must differ, yet each stays reproducible (sample j of seed s draws with
+        # s + j, which only wraps past 2**64 - 1 for the samples of a seed that close to the top).
+        seed = None if self.seed is None else (self.seed + choice) % _SEED_MODULUS
         return SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens, seed=seed,
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
@@ -172,9 +200,12 @@ class ResponseHeader:
                 "choices": choices, **extra}
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens`: prompt tokens found in the decode worker's
+    prefix cache."""
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:

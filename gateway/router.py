@@ -7,6 +7,7 @@ strings, and on a stop cancels the request on decode, so no compute is spent pas
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -22,12 +23,22 @@ from opentelemetry.context import Context
 from tandem.common.config import ModelConfig
 from tandem.common.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, UnavailableError
 from tandem.common.sampling_params import SamplingParams
-from tandem.common.validation import validate_prompt
+from tandem.common.validation import validate_prompt, validate_sampling
+from tandem.gateway.admission import Admission, held_slots
+from tandem.gateway.kv_routing import (
+    NUM_TRACED_CANDIDATES,
+    OFFLOAD_BLOCKS,
+    Choice,
+    KVRouter,
+    KVRoutingConfig,
+    PromptBlocks,
+)
+from tandem.gateway.limits import GatewayLimits
+from tandem.gateway.prompts import PromptEncoder
 from tandem.gateway.sessions import DecodeSession, SessionEnded
-from tandem.models import apply_chat_template
 from tandem.models.detokenizer import IncrementalDetokenizer
 from tandem.serving import metrics
-from tandem.serving.registry import Registry, WorkerRecord, pick_pair
+from tandem.serving.registry import Registry, WorkerRecord
 from tandem.serving.rpc import PEER_FAILURE_CODES, ChannelPool, TlsConfig, typed_error
 from tandem.serving.telemetry import ending, get_tracer, inject_metadata
 from tandem.serving.wire import (
@@ -64,6 +75,8 @@ class Completion:
     finish_reason: str | None = None
     time_to_first_token_s: float = 0.0
     e2e_s: float = 0.0
+    # Prompt tokens the decode worker had in its prefix cache (on the attempt that finished the request).
+    num_cached_tokens: int = 0
 
 
 class Router:
@@ -73,18 +86,21 @@ class Router:
     """
 
     def __init__(self, model: GatewayModel, registry: Registry, tracer: trace.Tracer | None = None,
-                 max_concurrent_requests: int = 1024, tls: TlsConfig | None = None) -> None:
+                 max_concurrent_requests: int = 1024, tls: TlsConfig | None = None,
+                 limits: GatewayLimits | None = None, kv_routing: KVRoutingConfig | None = None) -> None:
         # TLS (with this gateway's certificate, for mutual TLS) on the calls to decode workers.
         self.tls = tls
-        if max_concurrent_requests < 1:
-            raise ValueError(f"max_concurrent_requests must be >= 1, got {max_concurrent_requests}")
         self.model = model
         self.registry = registry
-        # Backpressure: past this many streams in flight (gRPC and HTTP together), RESOURCE_EXHAUSTED at once.
-        self.max_concurrent_requests = max_concurrent_requests
-        self._num_active = 0
+        # What one request may ask for (sizes, counts), and how long a decode worker may stay silent.
+        self.limits = limits or GatewayLimits()
+        # Backpressure: past this many sequences in flight (gRPC and HTTP together), RESOURCE_EXHAUSTED at once.
+        self.admission = Admission(max_concurrent_requests)
         # The process-wide tracer unless one is given (tests host several services in one process).
         self.tracer = tracer or get_tracer("gateway")
+        self._encoder = PromptEncoder(model.tokenizer)
+        # Which workers to send a request to: cached prefix against load, with this gateway's own placements.
+        self.kv_router = KVRouter(kv_routing)
         self._channels = ChannelPool(tls)
         self._sessions: dict[str, DecodeSession] = {}
         self._refused: set[str] = set()  # workers of another model, logged once each
@@ -119,30 +135,45 @@ class Router:
         reported = [w.vocab_size for w in self.decode_workers() if w.vocab_size > 0]
         return min(reported) if reported else self.model.config.vocab_size
 
-    def prompt_ids(self, prompt: str | None = None, token_ids: list[int] | None = None,
-                   messages: list[dict[str, str]] | None = None) -> list[int]:
+    async def prompt_ids(self, prompt: str | None = None, token_ids: list[int] | None = None,
+                         messages: list[dict[str, str]] | None = None) -> list[int]:
         """Exactly one input → the prompt's token ids (validated against the vocabulary), traced as a
-        `tokenize` span under the current one."""
+        `tokenize` span under the current one. Sizes are checked before anything is encoded, and a large
+        prompt is encoded off the event loop."""
         with self.tracer.start_as_current_span("tokenize") as span:
-            ids = self._tokenize(prompt, token_ids, messages)
+            ids = await self._tokenize(prompt, token_ids, messages)
             span.set_attribute("tandem.prompt_tokens", len(ids))
             return ids
 
-    def _tokenize(self, prompt: str | None, token_ids: list[int] | None,
-                  messages: list[dict[str, str]] | None) -> list[int]:
-        tokenizer = self.model.tokenizer
+    async def _tokenize(self, prompt: str | None, token_ids: list[int] | None,
+                        messages: list[dict[str, str]] | None) -> list[int]:
+        max_model_len = self.max_model_len
         if messages is not None:
             if not messages:
                 raise InvalidRequestError("messages", "must not be empty")
-            ids = apply_chat_template(tokenizer, messages)
+            ids = await self._encoder.chat(self.limits.check_messages(messages, max_model_len))
         elif prompt is not None:
-            ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+            self.limits.check_prompt(prompt, max_model_len)
+            ids = await self._encoder.text(prompt)
         elif token_ids is not None:
             ids = list(token_ids)
         else:
             raise InvalidRequestError("input", "one of prompt, prompt_token_ids or messages is required")
-        validate_prompt(ids, self.vocab_size, self.max_model_len)
+        validate_prompt(ids, self.vocab_size, max_model_len)
         return ids
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Sampling values a worker can be sent, and stop lists within the limits (InvalidRequestError)."""
+        self.limits.check_stop(params.stop, params.stop_token_ids)
+        validate_sampling(params, self.vocab_size)
+
+    @property
+    def draining(self) -> bool:
+        return self.admission.draining
+
+    def begin_drain(self) -> None:
+        """From now on every new request is refused (UNAVAILABLE, HTTP 503); those in flight go on."""
+        self.admission.begin_drain()
 
     def check_model(self, name: str) -> None:
         if name and name != self.model.name:
@@ -163,17 +194,16 @@ class Router:
         under `trace_context`, by default the caller's current context; decode continues the trace.
         """
         validate_prompt(prompt_ids, self.vocab_size, self.max_model_len, params.max_tokens)
-        if self._num_active >= self.max_concurrent_requests:
-            metrics.REQUESTS.labels(status="resource_exhausted").inc()
-            raise OverloadedError(f"the gateway is at its limit of {self.max_concurrent_requests} "
-                                  "concurrent requests; retry later")
-        self._num_active += 1
-        try:
-            async for chunk in self._stream(request_id, prompt_ids, with_resolved_seed(params), timeout,
-                                            trace_context):
-                yield chunk
-        finally:
-            self._num_active -= 1
+        self.check_sampling(params)
+        chunks = self._stream(request_id, prompt_ids, with_resolved_seed(params), timeout, trace_context)
+        async with contextlib.aclosing(chunks):
+            if held_slots() is not None:  # the request took a slot for each of its sequences already
+                async for chunk in chunks:
+                    yield chunk
+                return
+            with self.admission.hold(1):
+                async for chunk in chunks:
+                    yield chunk
 
     async def _stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       timeout: float | None, trace_context: Context | None,
@@ -184,6 +214,7 @@ class Router:
         detok = IncrementalDetokenizer(self.model.tokenizer, prompt_ids, stop=params.stop,
                                        skip_special_tokens=params.skip_special_tokens)
         progress = Completion(request_id, prompt_ids, [])
+        prompt = PromptBlocks(prompt_ids)  # hashed once, for every attempt
         failed: set[str] = set()  # decode workers this request has given up on
         last_error: Exception | None = None
         span = self.tracer.start_span("stream", context=parent, attributes={
@@ -193,7 +224,7 @@ class Router:
             try:
                 while True:
                     try:
-                        prefill, decode = await self._route(parent, exclude=failed)
+                        prefill, decode = await self._route(parent, prompt, exclude=failed)
                     except UnavailableError:
                         metrics.REQUESTS.labels(status="error").inc()
                         if isinstance(last_error, OverloadedError):
@@ -237,6 +268,7 @@ class Router:
             prefill_address=prefill.address if prefill is not None else "",
             output_token_ids=progress.token_ids), timeout, dict(inject_metadata(trace.set_span_in_context(span)) or ()))
         ended = False
+        is_first = True
         try:
             while True:
                 update = await updates.next()  # all the tokens that have come, in one message to the client
@@ -247,6 +279,10 @@ class Router:
                     ended = True
                     raise _attempt_error(_CODES[update.error_code], update.error_message, update.error_type)
                 response = update.response
+                if is_first:
+                    is_first = False
+                    # A resumed attempt's count covers its earlier output too: only prompt tokens are reported.
+                    progress.num_cached_tokens = min(response.num_cached_tokens, len(prompt_ids))
                 if not progress.token_ids:
                     progress.time_to_first_token_s = time.perf_counter() - arrival
                 new_ids = list(response.token_ids)
@@ -278,35 +314,59 @@ class Router:
         """The session to a decode worker, opened on first use and again after it ended."""
         session = self._sessions.get(address)
         if session is None or session.closed:
-            session = self._sessions[address] = DecodeSession(self._channels.get(address), address)
+            session = self._sessions[address] = DecodeSession(self._channels.get(address), address,
+                                                              stall_timeout_s=self.limits.decode_stall_timeout_s)
         return session
 
-    async def _route(self, parent: Context, exclude: set[str] | frozenset[str] = frozenset(),
+    async def _route(self, parent: Context, prompt: PromptBlocks, exclude: set[str] | frozenset[str] = frozenset(),
                      ) -> tuple[WorkerRecord | None, WorkerRecord]:
-        """The (prefill, decode) pair for a request, in a `route` span that says which and why; decode
-        workers in `exclude` (those this request has failed on) are left out."""
+        """The (prefill, decode) pair for a request, in a `route` span that says which and why (`KVRouter`); decode
+        workers in `exclude` (those this request has failed on) are left out. The pair counts as placed at once."""
         with ending(self.tracer.start_span("route", context=parent)) as span:
             prefills = self._of_model(self.registry.workers("prefill"))
             decodes = [d for d in self.decode_workers() if d.address not in exclude]
-            prefill, decode = pick_pair(prefills, decodes, None)
-            num_compatible = sum(p.fingerprint == decode.fingerprint for p in prefills)
-            if prefill is None:
-                reason = "no prefill worker with the decode worker's KV layout: decode prefills locally"
+            await self._hash(prompt, [*prefills, *decodes])
+            prefill_choice, decode_choice = self.kv_router.choose_pair(prefills, decodes, prompt)
+            decode = decode_choice.worker
+            prefill = prefill_choice.worker if prefill_choice is not None else None
+            self.kv_router.place(decode, prompt)
+            # A prompt decode holds whole (but its last token) never reaches the prefill worker.
+            if prefill is not None and decode_choice.matched_blocks < prompt.num_lookup_blocks(decode):
+                self.kv_router.place(prefill, prompt)
+            if prefill_choice is None:
+                prefill_reason = "no prefill worker with the decode worker's KV layout: decode prefills locally"
             else:
-                reason = f"least queued of {num_compatible} compatible prefill workers"
+                prefill_reason = prefill_choice.reason
             span.set_attributes({
                 "tandem.route.decode": decode.address, "tandem.route.prefill": prefill.address if prefill else "",
                 "tandem.route.num_decode": len(decodes), "tandem.route.num_prefill": len(prefills),
                 "tandem.route.decode_free_blocks": decode.num_free_blocks,
                 "tandem.route.decode_queue_depth": decode.queue_depth,
-                "tandem.route.reason": f"most free blocks per queued request of {len(decodes)} decode workers; "
-                                       + reason})
+                "tandem.route.prompt_blocks": decode_choice.prompt_blocks,
+                "tandem.route.cache_aware": decode_choice.is_cache_aware,
+                "tandem.route.decode_matched_blocks": decode_choice.matched_blocks,
+                "tandem.route.prefill_matched_blocks": prefill_choice.matched_blocks if prefill_choice else 0,
+                "tandem.route.decode_candidates": _traced(decode_choice),
+                "tandem.route.prefill_candidates": _traced(prefill_choice) if prefill_choice else [],
+                "tandem.route.reason": f"decode: {decode_choice.reason}; prefill: {prefill_reason}"})
             return prefill, decode
+
+    async def _hash(self, prompt: PromptBlocks, workers: list[WorkerRecord]) -> None:
+        """Hash the prompt as the workers' summaries name blocks (once per block size and key); a long prompt on
+        the tokenizer's thread pool, off the event loop."""
+        keys = prompt.keys_needed(workers)
+        if not keys:
+            return
+        if prompt.num_hashed_blocks(keys) > OFFLOAD_BLOCKS:
+            await self._encoder.offload(prompt.hash, keys)
+        else:
+            prompt.hash(keys)
 
     async def close(self) -> None:
         for session in self._sessions.values():
             await session.close()
         await self._channels.close()
+        self._encoder.close()
 
 
 
@@ -344,6 +404,12 @@ def _attempt_error(code: grpc.StatusCode, details: str, error_type: str = "") ->
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceededError(details)
     return PassthroughError(code, details)
+
+
+def _traced(choice: Choice) -> list[str]:
+    """The cheapest candidates of a choice, for the `route` span."""
+    return [f"{c.worker.address} matched={c.matched_blocks} headroom={c.headroom:.4g} cost={c.cost:.4g}"
+            for c in choice.candidates[:NUM_TRACED_CANDIDATES]]
 
 
 def _observe(progress: Completion) -> None:

@@ -2,27 +2,34 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.gateway.auth import ApiKeyInterceptor, ApiKeys
 from tandem.gateway.http_api import HttpServer, create_app, start_http_server
+from tandem.gateway.limits import GatewayLimits
+from tandem.gateway.request_decoding import MalformedRequestInterceptor
 from tandem.gateway.router import GatewayModel, Router
 from tandem.gateway.servicer import GenerationServicer
 from tandem.models import load_model_config, load_tokenizer
-from tandem.serving.registry import RedisRegistry, Registry, StaticRegistry, WorkerRecord
+from tandem.serving.registry import CacheSummary, RedisRegistry, Registry, StaticRegistry, WorkerRecord
 from tandem.serving.rpc import ChannelPool, TlsConfig
 from tandem.serving.service import ServiceOptions, run_service
 from tandem.serving.wire import layout_from_proto
 from tandem.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+log = logging.getLogger(__name__)
 
 class InfoProbe:
-    """Asks a worker's health and `Info` for its layout and load (the static registry's refresh); a worker
-    that is draining (health NOT_SERVING) counts as down, so no new request goes there."""
+    """Asks a worker's health and `Info` for its layout, load and prefix cache summary (the static registry's
+    refresh); a worker that is draining (health NOT_SERVING) counts as down, so no new request goes there. The
+    record's `updated_at` is when the probe was sent (this gateway's clock): what it says was true at least then."""
 
     def __init__(self, tls: TlsConfig | None = None) -> None:
         self.channels = ChannelPool(tls)
@@ -30,6 +37,7 @@ class InfoProbe:
     async def __call__(self, role: str, address: str) -> WorkerRecord | None:
         channel = self.channels.get(address)
         stub = worker_pb2_grpc.PrefillStub(channel) if role == "prefill" else worker_pb2_grpc.DecodeStub(channel)
+        sent_at = time.time()
         try:
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                                      timeout=1.0)
@@ -38,16 +46,24 @@ class InfoProbe:
             info = await stub.Info(worker_pb2.InfoRequest(), timeout=1.0)
         except grpc.aio.AioRpcError:
             return None
+        try:
+            cache = CacheSummary.from_proto(info.prefix_cache)
+        except ValueError as error:
+            log.warning("%s worker %s: ignoring its prefix cache summary: %s", role, address, error)
+            cache = None
         return WorkerRecord(role=role, address=address, model=info.model,
                             fingerprint=layout_from_proto(info.layout).fingerprint(),
                             num_free_blocks=info.num_free_blocks, num_total_blocks=info.num_total_blocks,
-                            queue_depth=info.queue_depth, worker_id=f"{role}@{address}", updated_at=time.time(),
-                            max_model_len=info.max_model_len, vocab_size=info.vocab_size)
+                            queue_depth=info.queue_depth, worker_id=f"{role}@{address}", updated_at=sent_at,
+                            max_model_len=info.max_model_len, vocab_size=info.vocab_size, cache=cache)
 
 
 # A gateway with no --max-model-len caps the context as the workers' engines do by default; the workers' own
 # limits (from Info or the registry) apply on top (`Router.max_model_len`).
 DEFAULT_MAX_MODEL_LEN = 8192
+# Streams one client connection may open beyond the concurrency limit: health checks, `Tokenize` and
+# `ListModels` calls, and `Generate` calls that will be refused with RESOURCE_EXHAUSTED (not reset).
+STREAMS_HEADROOM = 256
 
 
 def load_gateway_model(name: str, max_model_len: int | None = None) -> GatewayModel:
@@ -56,9 +72,21 @@ def load_gateway_model(name: str, max_model_len: int | None = None) -> GatewayMo
     return GatewayModel(name=name, config=config, max_model_len=limit, tokenizer=load_tokenizer(config))
 
 
+def gateway_service_options(service: ServiceOptions, max_concurrent_requests: int,
+                            limits: GatewayLimits) -> ServiceOptions:
+    """The gateway's gRPC port: a pooled client may send all its requests over one connection, so one connection
+    may carry as many streams as the gateway takes requests (and some); messages are bounded as HTTP bodies are."""
+    streams = max(service.max_concurrent_streams, max_concurrent_requests + STREAMS_HEADROOM)
+    return replace(service, max_concurrent_streams=streams, max_message_bytes=limits.max_request_bytes)
+
+
 async def serve(service: ServiceOptions, model: str, prefill: Sequence[str], decode: Sequence[str],
                 max_model_len: int | None = None, *, max_concurrent_requests: int = 1024,
-                api_keys: frozenset[str] = frozenset()) -> None:
+                api_keys: frozenset[str] = frozenset(), limits: GatewayLimits | None = None,
+                on_started: Callable[[str, int], None] | None = None, stop: asyncio.Event | None = None) -> None:
+    """Serve the gateway until SIGTERM (or `stop`, for a gateway run inside a test), then drain: gRPC and HTTP
+    refuse new requests (UNAVAILABLE, 503; `/health` 503) while those in flight finish, for up to `drain_s`."""
+    limits = limits or GatewayLimits()
     registry: Registry
     probe: InfoProbe | None = None
     if service.redis_url:
@@ -68,7 +96,7 @@ async def serve(service: ServiceOptions, model: str, prefill: Sequence[str], dec
         registry = StaticRegistry(prefill, decode, probe)
     await registry.start()
     router = Router(load_gateway_model(model, max_model_len), registry,
-                    max_concurrent_requests=max_concurrent_requests, tls=service.tls)
+                    max_concurrent_requests=max_concurrent_requests, tls=service.tls, limits=limits)
     keys = ApiKeys(api_keys)
 
     http: HttpServer | None = None
@@ -83,13 +111,27 @@ async def serve(service: ServiceOptions, model: str, prefill: Sequence[str], dec
         http = await start_http_server(create_app(router, keys), host, port, grace_s=service.drain_s)
         return http.port
 
+    drain_deadline = 0.0
+
+    def on_drain() -> None:
+        nonlocal drain_deadline
+        drain_deadline = time.monotonic() + service.drain_s
+        router.begin_drain()
+
     async def cleanup() -> None:
-        if http is not None:  # before the router's channels close under its streams
-            await http.stop()
+        if http is not None:
+            # gRPC's calls have finished (or run out of time); HTTP keeps answering 503 to new requests while
+            # its own finish, then stops (before the router's channels close under its streams).
+            idle = await router.admission.wait_idle(max(0.0, drain_deadline - time.monotonic()))
+            await http.stop(force=not idle)
         await router.close()
         await registry.stop()
         if probe is not None:
             await probe.channels.close()
 
-    await run_service(service, add, cleanup=cleanup, start_http=start_http,
-                      interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
+    # Unparseable requests first (INVALID_ARGUMENT naming the field), inside the API-key check.
+    interceptors: list[grpc.aio.ServerInterceptor] = [ApiKeyInterceptor(keys)] if keys.enabled else []
+    interceptors.append(MalformedRequestInterceptor())
+    await run_service(gateway_service_options(service, max_concurrent_requests, limits), add, cleanup=cleanup,
+                      start_http=start_http, interceptors=interceptors, on_drain=on_drain, on_started=on_started,
+                      stop=stop)

@@ -21,16 +21,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def _prompt_ids(self, message: Any) -> list[int]:
+    async def _prompt_ids(self, message: Any) -> list[int]:
         kind = message.WhichOneof("input")
         if kind == "prompt":
-            return self.router.prompt_ids(prompt=message.prompt)
+            return await self.router.prompt_ids(prompt=message.prompt)
         if kind == "prompt_token_ids":
-            return self.router.prompt_ids(token_ids=list(message.prompt_token_ids.ids))
+            return await self.router.prompt_ids(token_ids=list(message.prompt_token_ids.ids))
         if kind == "messages":
-            return self.router.prompt_ids(messages=[{"role": m.role, "content": m.content}
-                                                    for m in message.messages.messages])
-        return self.router.prompt_ids()
+            return await self.router.prompt_ids(messages=[{"role": m.role, "content": m.content}
+                                                          for m in message.messages.messages])
+        return await self.router.prompt_ids()
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -39,11 +39,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                              kind=SpanKind.SERVER)
         try:
             with ending(span):
-                # Current only around these synchronous steps, so `tokenize` nests under it.
+                # Current only around these steps (no yield inside), so `tokenize` nests under it. The cheap
+                # checks come first: a request refused for its parameters is never tokenized.
                 with trace.use_span(span, record_exception=False, set_status_on_exception=False):
                     self.router.check_model(request.model)
-                    prompt_ids = self._prompt_ids(request)
                     params = sampling_from_public(request.sampling)
+                    self.router.check_sampling(params)
+                    prompt_ids = await self._prompt_ids(request)
                 request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
                 span.set_attribute("tandem.request_id", request_id)
                 chunks = self.router.stream(request_id, prompt_ids, params, timeout=context.time_remaining(),
@@ -56,6 +58,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             response.finish_reason = finish_reason_to_proto(progress.finish_reason)
                             response.usage.prompt_tokens = len(prompt_ids)
                             response.usage.completion_tokens = len(progress.token_ids)
+                            response.usage.cached_tokens = progress.num_cached_tokens
                             response.timing.time_to_first_token_s = progress.time_to_first_token_s
                             response.timing.e2e_s = progress.e2e_s
                         yield response
@@ -65,7 +68,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
         self.router.check_model(request.model)
-        return generation_pb2.TokenizeResponse(token_ids=self._prompt_ids(request))
+        return generation_pb2.TokenizeResponse(token_ids=await self._prompt_ids(request))
 
     async def ListModels(self, request: generation_pb2.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> generation_pb2.ListModelsResponse:

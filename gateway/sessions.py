@@ -5,6 +5,12 @@ At hundreds of concurrent requests, a call per request costs a gRPC message per 
 session the decode worker sends each step's new tokens of all its requests in one message, and the
 gateway hands each request its own updates. Starting and cancelling requests are messages on the same
 stream, each request's deadline and trace context ride in its start message.
+
+A decode worker that dies ends its session (the stream breaks); one that is frozen (stopped, or its event loop
+stuck) would keep it open until a keepalive ping times out, half a minute or more. So a session whose requests
+are in flight while its worker has sent nothing, not even the heartbeat a live worker sends every
+`SESSION_HEARTBEAT_S`, for `stall_timeout_s` is ended here, as if the stream had broken: its requests resume on
+another worker.
 """
 
 from __future__ import annotations
@@ -72,15 +78,22 @@ def _is_last(update: Update) -> bool:
 
 class DecodeSession:
     """One `Decode.Session` call. Create inside the running event loop; `closed` once its stream ended (a
-    new request then needs a new session)."""
+    new request then needs a new session). With `stall_timeout_s`, a worker silent that long while requests
+    are in flight is taken for frozen: the session ends with UNAVAILABLE."""
 
-    def __init__(self, channel: grpc.aio.Channel, address: str) -> None:
+    def __init__(self, channel: grpc.aio.Channel, address: str, stall_timeout_s: float | None = None) -> None:
         self.address = address
         self.closed = False
         self._outbox: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
         self._requests: dict[str, RequestUpdates] = {}
+        loop = asyncio.get_running_loop()
+        # When the worker was last heard from, or the session last went from idle to busy: silence counts only
+        # while requests are in flight (an idle worker sends no heartbeats).
+        self._last_heard = loop.time()
+        self._stalled: SessionEnded | None = None
         self._call = worker_pb2_grpc.DecodeStub(channel).Session(self._outgoing())
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._reader = loop.create_task(self._read())
+        self._watchdog = loop.create_task(self._watch(stall_timeout_s)) if stall_timeout_s else None
 
     def start(self, request: worker_pb2.DecodeRequest, timeout_s: float | None,
               trace_context: Mapping[str, str] | None = None) -> RequestUpdates:
@@ -88,6 +101,8 @@ class DecodeSession:
         from the returned `RequestUpdates`. Call `finish` when done with it."""
         if self.closed:
             raise RuntimeError(f"the session to {self.address} has ended")
+        if not self._requests:
+            self._last_heard = asyncio.get_running_loop().time()
         updates = RequestUpdates()
         self._requests[request.request_id] = updates
         self._outbox.put_nowait(worker_pb2.SessionRequest(start=worker_pb2.SessionStart(
@@ -103,8 +118,10 @@ class DecodeSession:
     async def close(self) -> None:
         self._outbox.put_nowait(None)
         self._call.cancel()
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
+        tasks = [self._reader] if self._watchdog is None else [self._reader, self._watchdog]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _outgoing(self) -> AsyncIterator[worker_pb2.SessionRequest]:
         while (message := await self._outbox.get()) is not None:
@@ -112,8 +129,10 @@ class DecodeSession:
 
     async def _read(self) -> None:
         ended = SessionEnded(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.address} ended the session")
+        loop = asyncio.get_running_loop()
         try:
             async for response in self._call:
+                self._last_heard = loop.time()  # a heartbeat (no updates) counts as much as tokens
                 for update in response.updates:
                     updates = self._requests.get(update.request_id)
                     if updates is not None:  # else: cancelled by us, and already forgotten
@@ -124,6 +143,31 @@ class DecodeSession:
         finally:
             self.closed = True
             self._outbox.put_nowait(None)
+            if self._stalled is not None:
+                ended = self._stalled
             for updates in self._requests.values():
                 updates.queue.put_nowait(ended)
             self._requests.clear()
+
+    async def _watch(self, stall_timeout_s: float) -> None:
+        """End the session once the worker has been silent for `stall_timeout_s` with requests in flight."""
+        loop = asyncio.get_running_loop()
+        interval = min(stall_timeout_s / 4, 1.0)
+        while not self.closed:
+            expected = loop.time() + interval
+            await asyncio.sleep(interval)
+            now = loop.time()
+            if now - expected > interval:
+                # This event loop was busy past the check itself: the worker's messages may be waiting unread, so
+                # its silence is not known; look again after the reader has had its turn.
+                continue
+            silent_s = now - self._last_heard
+            if self._requests and silent_s > stall_timeout_s:
+                log.warning("decode worker %s sent nothing for %.1f s with %d requests in flight: taken for "
+                            "frozen, its requests go to other workers", self.address, silent_s, len(self._requests))
+                self._stalled = SessionEnded(grpc.StatusCode.UNAVAILABLE, (
+                    f"decode worker {self.address} sent nothing for {silent_s:.1f} s (stall timeout "
+                    f"{stall_timeout_s:g} s)"))
+                self._call.cancel()
+                self._reader.cancel()
+                return

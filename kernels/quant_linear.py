@@ -786,12 +786,19 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, backend: str = "auto") ->
         backend = "triton" if x.is_cuda else ("cpu" if weight.kind == "int8" else "torch")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    fn: Callable[..., torch.Tensor]
-    if weight.kind == "int8":
-        fn = {"torch": int8_linear_ref, "triton": int8_linear_triton, "cpu": int8_linear_cpu}[backend]
-    elif backend == "cpu":
-        raise ValueError("quant_linear: no 'cpu' kernel for kind 'fp8'; use backend 'torch'")
-    else:
-        fn = fp8_linear_ref if backend == "torch" else fp8_linear_triton
-    out = fn(x2, weight.qweight, weight.scales, weight.bias)
+    out = linear_function(weight.kind, backend)(x2, weight.qweight, weight.scales, weight.bias)
     return out.reshape(*lead, out.shape[-1])
+
+
+def linear_function(kind: str, backend: str) -> Callable[..., torch.Tensor]:
+    """The function that runs a `kind` linear on `backend` ("torch", "triton" or "cpu"; "auto" resolved by the
+    caller): fn(x [M, K], qweight, scales, bias) -> [M, N]. For a caller that picks it once (a model's layer)."""
+    if kind not in QUANT_KINDS:
+        raise ValueError(f"quant_linear: kind {kind!r} not one of {QUANT_KINDS}")
+    if backend not in ("torch", "triton", "cpu"):
+        raise ValueError(f"quant_linear: backend {backend!r} not one of ('torch', 'triton', 'cpu')")
+    if kind == "int8":
+        return {"torch": int8_linear_ref, "triton": int8_linear_triton, "cpu": int8_linear_cpu}[backend]
+    if backend == "cpu":
+        raise ValueError("quant_linear: no 'cpu' kernel for kind 'fp8'; use backend 'torch'")
+    return fp8_linear_ref if backend == "torch" else fp8_linear_triton

@@ -67,8 +67,14 @@ class PageExport:
         for request, start, num_new in chunks:
             if request.kv_mirror is not None or not request.prefill_only:
                 continue
-            first, end = start // block_size, -(-(start + num_new) // block_size)
-            exported.append((request.req_id, first, list(request.block_ids[first:end])))
+            # From the first block the receiver lacks (on the request's first step that includes the blocks this
+            # worker found in its own prefix cache and did not compute), to the last one this step writes.
+            first = max(start // block_size, request.num_receiver_cached_tokens // block_size)
+            if start == request.num_cached_tokens:
+                first = request.num_receiver_cached_tokens // block_size
+            end = -(-(start + num_new) // block_size)
+            if end > first:
+                exported.append((request.req_id, first, list(request.block_ids[first:end])))
         if not exported:
             return None
         return self.exporter.begin_step(exported, self._deliver)

@@ -37,7 +37,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         """Engine thread, after each step that computed something."""
         if result.requests:
             metrics.BATCH_SIZE.observe(len(result.requests))
-            metrics.PREFILL_PROMPT_TOKENS.inc(sum(r.num_tokens for r in result.requests))
+            metrics.PREFILL_PROMPT_TOKENS.inc(sum(result.num_new_tokens))
             self.traces.on_step(result, seconds)
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
@@ -66,8 +66,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         with self.engine.stream(req_id) as events:
             try:
                 prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
-                await self.engine.call(lambda e: e.add_request(req_id, prompt, params, prefill_only=True,
-                                                               output_token_ids=prior, kv_mirror=mirror))
+                await self.engine.call(lambda e: e.add_request(
+                    req_id, prompt, params, prefill_only=True, output_token_ids=prior, kv_mirror=mirror,
+                    receiver_cached_tokens=request.num_cached_tokens))
                 while True:
                     event = await events.next()
                     if isinstance(event, PagesEvent):
@@ -83,8 +84,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                         flushed = True
                         events.put_back(event)
                         continue
-                    if is_ipc:
-                        num_bytes = len(mirror.block_ids) * engine.layout.block_bytes if mirror else 0
+                    if is_ipc and mirror is not None:
+                        num_cached_blocks = request.num_cached_tokens // engine.layout.block_size
+                        num_bytes = (len(mirror.block_ids) - num_cached_blocks) * engine.layout.block_bytes
                     self.traces.first_token(req_id, event, num_bytes, "cuda-ipc" if is_ipc else "grpc")
                     yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(
                         token_id=event.token_ids[-1], logprob=event.logprobs[-1],

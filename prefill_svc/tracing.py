@@ -42,7 +42,8 @@ class PrefillTraces:
         if span is None:
             return
         span.set_attributes({"tandem.batch_size": event.batch_size, "tandem.compute_s": event.step_s,
-                             "tandem.kv.bytes": num_bytes, "tandem.kv.transport": transport})
+                             "tandem.kv.bytes": num_bytes, "tandem.kv.transport": transport,
+                             "tandem.cached_tokens": event.num_cached_tokens})
         if event.queue_s is not None:
             span.set_attribute("tandem.queue_wait_s", event.queue_s)
 
@@ -61,7 +62,7 @@ class PrefillTraces:
             "prefill.batch", context=Context(),  # a root: the batch is part of several traces at once
             links=[Link(span.get_span_context()) for span in spans], start_time=end_ns - int(seconds * 1e9),
             attributes={"tandem.batch_size": len(result.requests),
-                        "tandem.prompt_tokens": sum(r.num_prompt_tokens for r in result.requests),
+                        "tandem.prompt_tokens": sum(result.num_new_tokens),
                         "tandem.compute_s": seconds})
         batch.end(end_time=end_ns)
         for span in spans:

@@ -85,7 +85,8 @@ EngineGroup = "Engine"
 
 
 def _worker(role: str, service: dict[str, object], engine: dict[str, object], threads: int,
-            kv_transport: str = "auto", max_queued: int = 1024, prefill_peers: list[str] | None = None) -> None:
+            kv_transport: str = "auto", max_queued: int = 1024, prefill_peers: list[str] | None = None,
+            speculative_config: str | None = None) -> None:
     """Flags → `ServiceOptions` and `EngineConfig` (each built once, here), then the worker's `serve`."""
     import asyncio
     import logging
@@ -108,9 +109,16 @@ def _worker(role: str, service: dict[str, object], engine: dict[str, object], th
 
         asyncio.run(serve_prefill(options, config, model))
     else:
-        from tandem.decode_svc.server import serve as serve_decode
+        import json
 
-        asyncio.run(serve_decode(options, config, model, kv_transport, max_queued, prefill_peers or []))
+        from tandem.decode_svc.server import serve as serve_decode
+        from tandem.engine.spec_decode import SpeculativeConfig
+
+        try:
+            speculative = SpeculativeConfig.from_dict(json.loads(speculative_config)) if speculative_config else None
+        except json.JSONDecodeError as error:
+            raise typer.BadParameter(f"not JSON: {error}", param_hint="--speculative-config") from None
+        asyncio.run(serve_decode(options, config, model, kv_transport, max_queued, prefill_peers or [], speculative))
 
 
 NumKvBlocksOpt = Annotated[int | None, typer.Option(help="KV pool size in blocks (default: from memory).",
@@ -120,6 +128,18 @@ MaxModelLenOpt = Annotated[int | None, typer.Option(help="Longest prompt + outpu
 MaxNumSeqsOpt = Annotated[int, typer.Option(help="Requests per step at most.", rich_help_panel=EngineGroup)]
 GpuFractionOpt = Annotated[float, typer.Option(help="Share of the GPU this worker may use.",
                                                rich_help_panel=EngineGroup)]
+BatchedTokensOpt = Annotated[int | None, typer.Option(
+    help="Token budget of one step (decode tokens + prompt chunks); default: the device's (512 GPU, 256 CPU).",
+    rich_help_panel=EngineGroup)]
+ChunkedOpt = Annotated[bool, typer.Option(
+    "--chunked-prefill/--no-chunked-prefill",
+    help="Compute long prompts in chunks, in steps shared with decode tokens.", rich_help_panel=EngineGroup)]
+SpeculativeOpt = Annotated[str | None, typer.Option(
+    help='Speculative decoding, vLLM\'s config as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'. Default: off.', rich_help_panel=EngineGroup)]
+PrefixCachingOpt = Annotated[bool, typer.Option(
+    "--prefix-caching/--no-prefix-caching",
+    help="Keep full KV blocks for reuse by later prompts that start the same way.", rich_help_panel=EngineGroup)]
 
 
 @app.command()
@@ -127,14 +147,17 @@ def prefill(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port:
             http_port: HttpPortOpt = 8061, advertise: AdvertiseOpt = None, redis: RedisOpt = None,
             device: DeviceOpt = "cpu", threads: ThreadsOpt = 0, num_kv_blocks: NumKvBlocksOpt = None,
             max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256, drain_s: float = 30.0,
-            gpu_memory_fraction: GpuFractionOpt = 0.85,
+            gpu_memory_fraction: GpuFractionOpt = 0.85, max_num_batched_tokens: BatchedTokensOpt = None,
+            chunked_prefill: ChunkedOpt = True, prefix_caching: PrefixCachingOpt = True,
             tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
             ) -> None:
     """Run one prefill worker."""
     _worker("prefill", dict(host=host, port=port, http_port=http_port, advertise=advertise, redis_url=redis,
                             drain_s=drain_s, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca),
             dict(model=model, device=device, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
-                 max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction), threads)
+                 max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction,
+                 max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
+                 enable_prefix_caching=prefix_caching), threads)
 
 
 @app.command()
@@ -143,7 +166,9 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
            device: DeviceOpt = "cpu", threads: ThreadsOpt = 0, num_kv_blocks: NumKvBlocksOpt = None,
            max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256, drain_s: float = 30.0,
            kv_transport: Annotated[str, typer.Option(help="auto | grpc | cuda-ipc (same GPU only).")] = "auto",
-           gpu_memory_fraction: GpuFractionOpt = 0.85,
+           gpu_memory_fraction: GpuFractionOpt = 0.85, max_num_batched_tokens: BatchedTokensOpt = None,
+           chunked_prefill: ChunkedOpt = True, prefix_caching: PrefixCachingOpt = True,
+           speculative_config: SpeculativeOpt = None,
            max_queued: Annotated[int, typer.Option(
                help="Requests accepted but not yet running (incl. waiting for blocks); past it RESOURCE_EXHAUSTED."
            )] = 1024,
@@ -159,8 +184,16 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
     _worker("decode", dict(host=host, port=port, http_port=http_port, advertise=advertise, redis_url=redis,
                            drain_s=drain_s, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca),
             dict(model=model, device=device, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
-                 max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction), threads,
-            kv_transport, max_queued, prefill)
+                 max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction,
+                 max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
+                 enable_prefix_caching=prefix_caching), threads,
+            kv_transport, max_queued, prefill, speculative_config)
+
+
+LimitsGroup = "Limits"
+DecodeStallOpt = Annotated[float, typer.Option(
+    "--decode-stall-timeout", help="Seconds a decode worker may send nothing (not even its heartbeat) with "
+    "requests in flight before they resume on another worker.", rich_help_panel=LimitsGroup)]
 
 
 @app.command()
@@ -178,12 +211,31 @@ def gateway(
     tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
     tls_client_auth: Annotated[bool, typer.Option(
         help="Require client certificates on the public port too (with --tls-ca).")] = False,
+    max_request_bytes: Annotated[int, typer.Option(
+        help="Largest HTTP body (413 past it) or gRPC message (RESOURCE_EXHAUSTED).",
+        rich_help_panel=LimitsGroup)] = 16 * 1024 * 1024,
+    max_prompt_chars: Annotated[int | None, typer.Option(
+        help="Characters of a prompt (or of a chat's contents), checked before tokenizing. Default: 32 × the "
+             "context length.", rich_help_panel=LimitsGroup, show_default=False)] = None,
+    max_messages: Annotated[int, typer.Option(help="Messages of a chat.", rich_help_panel=LimitsGroup)] = 2048,
+    max_stop_sequences: Annotated[int, typer.Option(
+        help="Stop strings of a request.", rich_help_panel=LimitsGroup)] = 16,
+    max_stop_chars: Annotated[int, typer.Option(
+        help="Characters of each stop string.", rich_help_panel=LimitsGroup)] = 256,
+    max_stop_token_ids: Annotated[int, typer.Option(
+        help="Stop token ids of a request.", rich_help_panel=LimitsGroup)] = 1024,
+    max_sequences_per_request: Annotated[int, typer.Option(
+        help="Sequences one request generates (prompts × n); each holds a concurrency slot.",
+        rich_help_panel=LimitsGroup)] = 128,
+    decode_stall_timeout: DecodeStallOpt = 10.0,
 ) -> None:
     """Run the gateway (the public gRPC API)."""
     import asyncio
     import logging
 
+    from tandem.common.config import ConfigError
     from tandem.gateway.auth import parse_api_keys
+    from tandem.gateway.limits import GatewayLimits
     from tandem.gateway.server import serve
     from tandem.serving.service import ServiceOptions
 
@@ -194,10 +246,18 @@ def gateway(
                              drain_s=drain_s, tls=_tls(tls_cert, tls_key, tls_ca, tls_client_auth))
     if max_concurrent_requests < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--max-concurrent-requests")
+    try:
+        limits = GatewayLimits(max_request_bytes=max_request_bytes, max_prompt_chars=max_prompt_chars,
+                               max_messages=max_messages, max_stop_sequences=max_stop_sequences,
+                               max_stop_chars=max_stop_chars, max_stop_token_ids=max_stop_token_ids,
+                               max_sequences_per_request=max_sequences_per_request,
+                               decode_stall_timeout_s=decode_stall_timeout)
+    except ConfigError as error:
+        raise typer.BadParameter(str(error)) from None
     keys = parse_api_keys(api_key)
     logging.getLogger(__name__).info("API keys: %s", f"{len(keys)} accepted" if keys else "off")
     asyncio.run(serve(service, model, prefill or [], decode or [], max_model_len,
-                      max_concurrent_requests=max_concurrent_requests, api_keys=keys))
+                      max_concurrent_requests=max_concurrent_requests, api_keys=keys, limits=limits))
 
 
 @app.command()
@@ -248,6 +308,15 @@ def up(
     gpu_split: Annotated[int | None, typer.Option(
         min=1, max=99, help="Partition the GPU's SMs with CUDA MPS: prefill workers get this percentage, decode "
                             "workers the rest (tandem runs its own MPS daemon). Default: time-sharing.")] = None,
+    max_num_batched_tokens: BatchedTokensOpt = None, chunked_prefill: ChunkedOpt = True,
+    prefix_caching: PrefixCachingOpt = True,
+    speculative_config: SpeculativeOpt = None,
+    max_request_bytes: Annotated[int | None, typer.Option(
+        help="The gateway's largest HTTP body / gRPC message (default: the gateway's, 16 MiB).",
+        rich_help_panel=LimitsGroup, show_default=False)] = None,
+    decode_stall_timeout: Annotated[float | None, typer.Option(
+        "--decode-stall-timeout", help="The gateway's --decode-stall-timeout (default: the gateway's, 10 s).",
+        rich_help_panel=LimitsGroup, show_default=False)] = None,
 ) -> None:
     """Start a gateway, N prefill and M decode workers (one process each), until Ctrl-C/SIGTERM."""
     from tandem.launcher import Stack, StackOptions
@@ -256,7 +325,10 @@ def up(
                            threads=threads, host=host, gateway_port=port, gateway_http_port=http_port,
                            num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, status_file=status_file,
                            kv_transport=kv_transport, gpu_memory_fraction=gpu_memory_fraction,
-                           max_num_seqs=max_num_seqs, gpu_split=gpu_split)
+                           max_num_seqs=max_num_seqs, gpu_split=gpu_split,
+                           max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
+                           enable_prefix_caching=prefix_caching, speculative_config=speculative_config,
+                           max_request_bytes=max_request_bytes, decode_stall_timeout_s=decode_stall_timeout)
     raise typer.Exit(Stack(options).run(demo=demo, exit_after_demo=exit_after_demo))
 
 

@@ -47,6 +47,14 @@ class StackOptions:
     max_num_seqs: int = 256
     # SM share (%) of the prefill workers under CUDA MPS; decode workers get the rest. None: plain time-sharing.
     gpu_split: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    # Decode workers' --speculative-config (JSON), or None.
+    speculative_config: str | None = None
+    # The gateway's --max-request-bytes and --decode-stall-timeout; None: the gateway's defaults.
+    max_request_bytes: int | None = None
+    decode_stall_timeout_s: float | None = None
 
 
 @dataclass
@@ -108,6 +116,12 @@ class Stack:
             engine_flags += ["--num-kv-blocks", str(o.num_kv_blocks)]
         if o.max_model_len:
             engine_flags += ["--max-model-len", str(o.max_model_len)]
+        if o.max_num_batched_tokens:
+            engine_flags += ["--max-num-batched-tokens", str(o.max_num_batched_tokens)]
+        if not o.enable_chunked_prefill:
+            engine_flags += ["--no-chunked-prefill"]
+        if not o.enable_prefix_caching:
+            engine_flags += ["--no-prefix-caching"]
         workers: dict[str, list[str]] = {"prefill": [], "decode": []}
         for role, count in (("prefill", o.num_prefill), ("decode", o.num_decode)):
             for i in range(count):
@@ -115,6 +129,8 @@ class Stack:
                 address = f"{o.host}:{port}"
                 workers[role].append(address)
                 decode_flags = ["--kv-transport", o.kv_transport]
+                if o.speculative_config:
+                    decode_flags += ["--speculative-config", o.speculative_config]
                 for peer in workers["prefill"]:  # the prefill workers it may pull from (planned first)
                     decode_flags += ["--prefill", peer]
                 self.services.append(Service(
@@ -129,6 +145,10 @@ class Stack:
                           "--http-port", str(gateway_http_port)]
         if o.max_model_len:
             gateway += ["--max-model-len", str(o.max_model_len)]
+        if o.max_request_bytes is not None:
+            gateway += ["--max-request-bytes", str(o.max_request_bytes)]
+        if o.decode_stall_timeout_s is not None:
+            gateway += ["--decode-stall-timeout", str(o.decode_stall_timeout_s)]
         if not o.redis_url:
             for address in workers["prefill"]:
                 gateway += ["--prefill", address]

@@ -31,6 +31,15 @@ class RopeConfig:
             raise ConfigError(f"rope_theta must be > 0, got {self.theta}")
 
 
+# Weight quantization (`ModelConfig.quantization`): "int8" weight-only (per-output-channel scales; the GEMMs
+# dequantize in the kernel), "fp8" e4m3 weights (per-channel scales) with dynamic per-token e4m3 activations.
+# Embeddings and the output head stay unquantized. See tandem.engine.quantization.
+QUANTIZATION_METHODS = ("int8", "fp8")
+# KV cache dtypes (`CacheConfig.kv_cache_dtype`): "auto" the model's dtype, "fp8" float8_e4m3fn pages with static
+# per-(layer, kv head) scales beside them (see tandem.engine.kv_cache).
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and semantics of a Llama-family decoder; parameter names follow HF's config."""
@@ -57,6 +66,9 @@ class ModelConfig:
     tokenizer_path: str | None = None
     # Seed of the random weights of a dummy model: every process builds the same weights.
     dummy_seed: int = 0
+    # Weight quantization applied at load (`QUANTIZATION_METHODS`; None: the checkpoint's dtype). It changes what
+    # the model computes (its K/V too), so it is part of the fingerprint: int8 and bf16 workers never share pages.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -68,6 +80,9 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(f"quantization must be None or one of {list(QUANTIZATION_METHODS)}, "
+                              f"got {self.quantization!r}")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -75,8 +90,10 @@ class ModelConfig:
 
     def fingerprint(self) -> str:
         """Identifies the weights and shapes: two workers may share KV pages only if these match."""
-        blob = json.dumps(asdict(self) | {"name": None, "weights_path": None, "tokenizer_path": None},
-                          sort_keys=True, default=str)
+        values = asdict(self) | {"name": None, "weights_path": None, "tokenizer_path": None}
+        if self.quantization is None:
+            del values["quantization"]  # unquantized models keep the fingerprints they had before the field existed
+        blob = json.dumps(values, sort_keys=True, default=str)
         if self.weights_path is not None:
             blob += self.name
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -92,6 +109,12 @@ class CacheConfig:
     num_blocks: int | None = None
     gpu_memory_fraction: float = 0.85
     cpu_kv_bytes: int = 512 * 1024 * 1024
+    # Full blocks stay cached under a hash of their tokens (and everything before them) after their request
+    # ends; a later prompt that starts the same way reuses them instead of computing them again.
+    enable_prefix_caching: bool = True
+    # "auto": pages in the model's dtype; "fp8": float8_e4m3fn pages (half of bf16's bytes: twice the blocks in the
+    # same memory), the layout's dtype then, so fp8 and bf16 workers are never paired.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -100,6 +123,8 @@ class CacheConfig:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
 # Default token budget of a step with chunked prefill, by device. From measured step times (docs/architecture.md,
@@ -143,8 +168,10 @@ class SchedulerConfig:
         return replace(self, max_num_batched_tokens=default)
 
 
-# The compute/KV dtypes a worker may run with, and their sizes in bytes.
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The compute dtypes a worker may run with (`EngineConfig.dtype`).
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# Sizes in bytes of the dtypes a KV layout may have: the compute dtypes and the fp8 cache's.
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 @dataclass(frozen=True)
@@ -162,8 +189,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPE_SIZES:
-            raise ConfigError(f"dtype must be auto or one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"dtype must be auto or one of {sorted(COMPUTE_DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
         # The budget is resolved for the device here, once: everything after reads a number.
@@ -189,11 +216,16 @@ class EngineConfig:
     def create(cls, model: ModelConfig, *, device: str = "cpu", dtype: str = "auto", block_size: int = 16,
                num_kv_blocks: int | None = None, gpu_memory_fraction: float = 0.85, max_model_len: int | None = None,
                max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
-               use_triton: bool = True, use_cuda_graphs: bool = True, seed: int = 0) -> EngineConfig:
-        """The one place flat settings (flags, `LLM(...)` keywords) become the nested config."""
+               enable_prefix_caching: bool = True, use_triton: bool = True, use_cuda_graphs: bool = True,
+               seed: int = 0, quantization: str | None = None, kv_cache_dtype: str = "auto") -> EngineConfig:
+        """The one place flat settings (flags, `LLM(...)` keywords) become the nested config. `quantization` set
+        replaces the model's (None keeps it: unquantized unless the ModelConfig says otherwise)."""
+        if quantization is not None:
+            model = replace(model, quantization=quantization)
         return cls(model=model,
                    cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                                     gpu_memory_fraction=gpu_memory_fraction),
+                                     gpu_memory_fraction=gpu_memory_fraction,
+                                     enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                              max_model_len=max_model_len,
                                              enable_chunked_prefill=enable_chunked_prefill),
@@ -210,14 +242,20 @@ class EngineConfig:
 
     @property
     def resolved_dtype(self) -> str:
-        """The dtype name the weights and the KV cache use ("auto" resolved for the device)."""
+        """The dtype name the weights and activations use ("auto" resolved for the device); also the KV cache's
+        unless kv_cache_dtype is "fp8" (`resolved_kv_dtype`)."""
         if self.dtype == "auto":
             return "float32" if self.device == "cpu" else "bfloat16"
         return self.dtype
 
     @property
+    def resolved_kv_dtype(self) -> str:
+        """The dtype name of the KV pages: the model's, or float8_e4m3fn with kv_cache_dtype="fp8"."""
+        return "float8_e4m3fn" if self.cache.kv_cache_dtype == "fp8" else self.resolved_dtype
+
+    @property
     def kv_layout(self) -> KVLayout:
-        return KVLayout(dtype=self.resolved_dtype, block_size=self.cache.block_size,
+        return KVLayout(dtype=self.resolved_kv_dtype, block_size=self.cache.block_size,
                         num_layers=self.model.num_hidden_layers, num_kv_heads=self.model.num_key_value_heads,
                         head_dim=self.model.head_dim, model_fingerprint=self.model.fingerprint())
 

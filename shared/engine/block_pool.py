@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import compress
 
-from tandem.engine.prefix_cache import BlockHash, PrefixCacheStats
+from tandem.common.prefix_cache import BlockHash, PrefixCacheStats
 
 
 class BlockPool:
@@ -159,6 +161,31 @@ class BlockPool:
         if first == block_id:
             self._block_hashes[block_id] = block_hash
         return first
+
+    def cached_hash_prefixes(self, max_blocks: int) -> bytes:
+        """What the cache holds, compactly, for routers: the first 8 bytes of each cached block's hash (held or
+        evictable), concatenated. All of them when at most `max_blocks` are cached; otherwise the held ones (in
+        use now), then the evictable ones, most recently used first, `max_blocks` in all.
+
+        Read-only, and safe to call from another thread than the pool's owner: each structure it reads is copied
+        by one C-level call that runs no Python code, so under the GIL it is never seen mid-change. The copies
+        may be a step apart (a block evicted in between may still be listed): a routing hint tolerates that, and
+        nothing here raises on it.
+        """
+        assert max_blocks >= 0, f"max_blocks must be >= 0, got {max_blocks}"
+        hashes = list(self._cached)  # insertion order: the snapshot is all that is read from here on
+        if len(hashes) > max_blocks:
+            block_hashes = self._block_hashes[:]
+            ref_counts = self._ref_counts[:]
+            lru = list(self._evictable)
+            held = [h for h in compress(block_hashes, ref_counts) if h is not None]  # ref count > 0
+            evictable = [h for h in map(block_hashes.__getitem__, reversed(lru)) if h is not None]
+            hashes = (held + evictable)[:max_blocks]
+        # 32-byte hashes, joined, viewed as 8-byte words: every 4th word is a hash's first 8 bytes (the words are
+        # read and written back in the same byte order, so the bytes come out as they were).
+        words = array("Q", b"".join(hashes))
+        assert words.itemsize == 8 and len(words) == 4 * len(hashes), "block hashes are 32-byte sha256 digests"
+        return words[::4].tobytes()
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one prefix-cache lookup as vLLM does: the request's tokens, and those it found cached."""

@@ -22,14 +22,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.common.config import EngineConfig, KVLayout
+from tandem.common.config import ConfigError, EngineConfig, KVLayout
 from tandem.common.errors import InvalidRequestError
 from tandem.common.sampling_params import SamplingParams
 from tandem.common.validation import validate_prompt
 from tandem.engine.block_pool import BlockPool
+from tandem.engine.ngram import NgramProposer
 from tandem.engine.request import KVMirror, Request, RequestStatus
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, num_blocks_for
+from tandem.engine.spec_decode import SpeculativeConfig
 
 
 @dataclass
@@ -42,15 +44,28 @@ class StepResult:
     finished: list[Request]
     is_prefill: bool
     reserved: list[Request] = field(default_factory=list)
+    # Tokens computed for each of `requests` this step.
+    num_new_tokens: list[int] = field(default_factory=list)
+    # Speculative decoding: proposals verified this step, and how many of them were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.runner = runner or ModelRunner(config)
+        # Speculative decoding (n-gram prompt lookup): proposals verified in the next step, output unchanged.
+        if speculative is not None and speculative.method != "ngram":
+            raise ConfigError(f"speculative_config: method {speculative.method!r} is not supported yet (ngram)")
+        self.speculative = speculative
+        self.proposer = NgramProposer.from_config(speculative) if speculative is not None else None
         self.block_pool = BlockPool(self.runner.kv_cache.num_blocks)
+        # Cached K/V are valid only for this model, dtype and KV shape: the layout's fingerprint keys the hashes.
+        prefix_key = self.runner.kv_cache.layout.fingerprint().encode() if config.cache.enable_prefix_caching else None
         self.scheduler = Scheduler(config.scheduler, self.block_pool, config.cache.block_size,
-                                   config.model.eos_token_ids)
+                                   config.model.eos_token_ids, prefix_key)
         self.requests: dict[str, Request] = {}
         self._seed_source = random.Random(config.seed)
         # Prefill role: called once per prefill step with its chunks (request, first token, number of tokens);
@@ -110,11 +125,16 @@ class Engine:
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prefill_only: bool = False, output_token_ids: list[int] | None = None, *,
                     remote_prefill: bool = False, local_prefill_reason: str = "local",
-                    kv_mirror: KVMirror | None = None) -> Request:
+                    kv_mirror: KVMirror | None = None, receiver_cached_tokens: int = 0) -> Request:
         """Queue a request. `remote_prefill`: its pages will come from a prefill worker (decode role; `params.seed`
         must be the one that worker samples the first token with). `local_prefill_reason` labels the prompt
-        tokens if they are computed here. `kv_mirror` (prefill role): also store its K/V into those pages."""
+        tokens if they are computed here. `kv_mirror` (prefill role): also store its K/V into those pages;
+        `receiver_cached_tokens` (prefill role): leading tokens the receiver already holds (never shipped)."""
         request = self.new_request(req_id, prompt_token_ids, params, prefill_only, output_token_ids)
+        if receiver_cached_tokens % self.config.cache.block_size or receiver_cached_tokens >= request.num_tokens:
+            raise InvalidRequestError("num_cached_tokens", f"{receiver_cached_tokens} must be a multiple of the block "
+                                                           f"size below the request's {request.num_tokens} tokens")
+        request.num_receiver_cached_tokens = receiver_cached_tokens
         if kv_mirror is not None:
             needed = num_blocks_for(request.num_tokens, self.config.cache.block_size)
             if len(kv_mirror.block_ids) != needed:
@@ -149,10 +169,61 @@ class Engine:
             hook = self.on_prefill_step([(r, r.num_computed_tokens, n)
                                          for r, n in zip(output.requests, output.num_new_tokens, strict=True)])
         token_ids, logprobs = self.runner.execute(output, hook)
+        # Read before the update moves each request's computed tokens on.
+        num_spec = [output.num_spec_tokens(i) for i in range(len(output.requests))]
+        sampled = [output.samples(i) for i in range(len(output.requests))]
+        num_draft = sum(num_spec)
+        num_accepted = sum(len(ids) - 1 for ids in token_ids) if num_draft else 0
         finished = self.scheduler.update_from_output(output, token_ids, logprobs)
         for request in finished:
             self.requests.pop(request.req_id, None)
-        return StepResult(output.requests, finished, is_prefill, output.reserved)
+        if self.proposer is not None:
+            self._propose(output.requests, token_ids, sampled, num_spec)
+        return StepResult(output.requests, finished, is_prefill, output.reserved, output.num_new_tokens,
+                          num_draft, num_accepted)
+
+    # -- speculative decoding ---------------------------------------------------------------------------
+    # A request whose proposals are all rejected proposes half as many next time; at none, it waits this many
+    # steps before trying one again: speculation backs off where the text does not repeat itself.
+    SPEC_COOLDOWN_STEPS = 16
+
+    def _propose(self, requests: list[Request], emitted: list[list[int]], sampled: list[bool],
+                 num_spec_tokens: list[int]) -> None:
+        """After a step: adapt each request's allowance to how its proposals fared, then propose for the next
+        step (prompt lookup) for every request that is decoding."""
+        assert self.proposer is not None and self.speculative is not None
+        k_max = self.speculative.num_speculative_tokens
+        runs = iter(emitted)
+        for request, samples, num_spec in zip(requests, sampled, num_spec_tokens, strict=True):
+            run = next(runs) if samples else None
+            if run is None or not num_spec:
+                continue
+            if len(run) - 1 == num_spec:  # all accepted
+                request.num_spec_allowed = min(k_max, max(1, request.num_spec_allowed) * 2)
+            elif len(run) == 1:  # none accepted
+                request.num_spec_allowed //= 2
+                if request.num_spec_allowed == 0:
+                    request.num_spec_allowed = -self.SPEC_COOLDOWN_STEPS
+        candidates = []
+        for request in requests:
+            if request.status is not RequestStatus.RUNNING or request.is_prefilling or request.prefill_only:
+                continue
+            if request.num_spec_allowed < 0:  # cooling down; then it tries one proposal again
+                request.num_spec_allowed += 1
+                if request.num_spec_allowed == 0:
+                    request.num_spec_allowed = 1
+                continue
+            if request.num_spec_allowed == 0 and request.num_draft_tokens == 0:
+                request.num_spec_allowed = k_max  # its first proposal
+            room = min(request.params.max_tokens - request.num_output_tokens - 1,
+                       self.max_model_len - request.num_tokens)
+            if min(request.num_spec_allowed, room) > 0:
+                candidates.append((request, min(request.num_spec_allowed, room)))
+        if not candidates:
+            return
+        proposals = self.proposer.propose([r.all_token_ids for r, _ in candidates])
+        for (request, k), proposal in zip(candidates, proposals, strict=True):
+            request.spec_token_ids = proposal[:k]
 
     def warm_up(self) -> None:
         """Compile and load what the first requests would otherwise wait for: the prefill path (Triton kernels
@@ -188,6 +259,8 @@ class Engine:
         request = self.requests.get(req_id)
         if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
             return
+        # Blocks found in the prefix cache are shared with other requests: never written (and never sent).
+        assert block_start >= request.num_cached_tokens // self.config.cache.block_size, "pages of a cached block"
         block_ids = request.block_ids[block_start:block_start + k.shape[0]]
         assert len(block_ids) == k.shape[0], "pages past the reserved blocks"
         self.runner.kv_cache.write_blocks(layer, block_ids, k, v)

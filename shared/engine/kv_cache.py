@@ -1,10 +1,31 @@
-"""The paged KV cache: one device tensor, addressed by block id (the block pool hands the ids out)."""
+"""The paged KV cache: one device tensor, addressed by block id (the block pool hands the ids out).
+
+With `kv_cache_dtype="fp8"` the pages hold float8_e4m3fn (half of bf16's bytes, so twice the blocks in the same
+memory) and a float32 tensor of scales [num_layers, 2, Hkv] lives beside them: row 0 of a layer scales its K
+heads, row 1 its V heads (`tandem.kernels.fp8_kv`: a value x of head h is stored as e4m3(x / scale[h])). The
+scales are static and 1.0, vLLM's default for a checkpoint without calibrated k_scale/v_scale: Llama-family K
+and V stay well inside e4m3's +-448, and one fixed value needs no agreement between workers. Pages move between
+workers as their fp8 bytes, so a prefill and a decode worker must use the same scales; a calibration pass
+(`fp8_kv.kv_absmax`, `kv_scales_from_absmax`) would have to put its scales into the KV layout's fingerprint too.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from tandem.common.config import CacheConfig, ConfigError, KVLayout, ModelConfig
+from tandem.kernels.fp8_kv import FP8_KV_DTYPE, gather_pages
+
+
+def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the pages: the model's, or float8_e4m3fn for kv_cache_dtype "fp8" (which the attention
+    kernels read on CUDA only from compute capability 8.9 on: Ada, Hopper)."""
+    if cache.kv_cache_dtype == "auto":
+        return model_dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError(f"kv_cache_dtype: fp8 pages need compute capability >= 8.9, {device} has "
+                          f"{torch.cuda.get_device_capability(device)}")
+    return FP8_KV_DTYPE
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -15,7 +36,8 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 def num_blocks_to_allocate(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
                            device: torch.device, max_model_len: int) -> int:
-    """Explicit size, else what the memory budget holds; at least one maximal request must fit."""
+    """Explicit size, else what the memory budget holds for pages of `dtype`; at least one maximal request must
+    fit."""
     per_block = bytes_per_block(model, cache.block_size, dtype)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
@@ -39,7 +61,8 @@ def num_blocks_to_allocate(model: ModelConfig, cache: CacheConfig, dtype: torch.
 
 
 class KVCache:
-    """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] on one device."""
+    """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] on one device, in `dtype` (the model's, or
+    float8_e4m3fn with `scales` [num_layers, 2, num_kv_heads] float32 beside it)."""
 
     def __init__(self, model: ModelConfig, block_size: int, num_blocks: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -48,9 +71,17 @@ class KVCache:
         self.dtype = dtype
         self.tensor = torch.zeros(model.num_hidden_layers, 2, num_blocks, block_size,
                                   model.num_key_value_heads, model.head_dim, dtype=dtype, device=device)
+        self.scales: torch.Tensor | None = None
+        if dtype == FP8_KV_DTYPE:
+            self.scales = torch.ones(model.num_hidden_layers, 2, model.num_key_value_heads, dtype=torch.float32,
+                                     device=device)
         self.layout = KVLayout(dtype=str(dtype).removeprefix("torch."), block_size=block_size,
                                num_layers=model.num_hidden_layers, num_kv_heads=model.num_key_value_heads,
                                head_dim=model.head_dim, model_fingerprint=model.fingerprint())
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.scales is not None
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -58,12 +89,23 @@ class KVCache:
         return [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(self.tensor.shape[0])]
 
     def read_blocks(self, layer: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of one layer's K and V pages, each [len(block_ids), block_size, Hkv, D]."""
+        """Copies of one layer's K and V pages, each [len(block_ids), block_size, Hkv, D], in the cache's dtype."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
-        return self.tensor[layer, 0, index], self.tensor[layer, 1, index]
+        return gather_pages(self.tensor[layer, 0], index), gather_pages(self.tensor[layer, 1], index)
 
     def write_blocks(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write pages (each [len(block_ids), block_size, Hkv, D]) into the given blocks."""
+        """Write pages (each [len(block_ids), block_size, Hkv, D]) into the given blocks. An fp8 cache takes fp8
+        pages only (their bytes, as a peer stored them with the same scales): anything else would need the scales
+        and is a caller's bug."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
+        if self.is_fp8:
+            if k.dtype != self.dtype or v.dtype != self.dtype:
+                raise ValueError(f"write_blocks: an {self.dtype} cache takes {self.dtype} pages, got {k.dtype}, "
+                                 f"{v.dtype}")
+            # As bytes: index_put on fp8 tensors is not implemented on every device.
+            pages = self.tensor[layer].view(torch.uint8)
+            pages[0, index] = k.to(self.tensor.device).view(torch.uint8)
+            pages[1, index] = v.to(self.tensor.device).view(torch.uint8)
+            return
         self.tensor[layer, 0, index] = k.to(self.tensor.device, self.dtype)
         self.tensor[layer, 1, index] = v.to(self.tensor.device, self.dtype)

@@ -15,6 +15,7 @@ from tandem.common.errors import InvalidRequestError
 from tandem.common.sampling_params import SamplingParams
 from tandem.engine.engine import Engine
 from tandem.engine.request import Request, RequestStatus
+from tandem.engine.spec_decode import SpeculativeConfig
 from tandem.models import apply_chat_template, load_model_config, load_tokenizer
 
 if TYPE_CHECKING:
@@ -44,17 +45,21 @@ class LLM:
     def __init__(self, model: str, *, device: str = "cpu", dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True, speculative_config: dict[str, Any] | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None,
                  gpu_memory_fraction: float = 0.85, use_triton: bool = True, use_cuda_graphs: bool = True,
-                 seed: int = 0, cache_dir: Path | None = None) -> None:
+                 seed: int = 0, quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 cache_dir: Path | None = None) -> None:
         model_config = load_model_config(model, cache_dir=cache_dir)
         self.config = EngineConfig.create(
             model_config, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
             gpu_memory_fraction=gpu_memory_fraction, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
             use_triton=use_triton, use_cuda_graphs=use_cuda_graphs,
-            seed=seed)
-        self.engine = Engine(self.config)
+            seed=seed, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+        speculative = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
+        self.engine = Engine(self.config, speculative=speculative)
         self.tokenizer: Any = load_tokenizer(model_config) if model_config.tokenizer_path else None
         self._ids = itertools.count()
 

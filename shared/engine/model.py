@@ -3,7 +3,9 @@
 Reads like the paper: embed → N × (norm → attention → norm → SwiGLU MLP) → norm → logits.
 Q/K/V and gate/up are merged into one GEMM each; every elementwise step goes through `Ops`, which
 is either the fused Triton kernels or their pure-torch references (same contract, same results).
-Parameter names follow the HF checkpoint except the two merged projections (see weights.py).
+Parameter names follow the HF checkpoint except the two merged projections (see weights.py). With
+`ModelConfig.quantization` the four projections of each layer are `QuantizedLinear`s (tandem.engine.quantization,
+swapped in at load); with an fp8 KV cache each attention reads its layer's static K/V scales (`set_kv_scales`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 from tandem.common.config import ModelConfig
 from tandem.engine.attention import AttentionMetadata, KVLayer
 from tandem.kernels import Ops
+from tandem.kernels.fp8_kv import dequantize_kv, quantize_kv
 
 
 class RMSNorm(nn.Module):
@@ -38,6 +41,9 @@ class LlamaAttention(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias)
+        # fp8 KV cache: this layer's static K and V scales, each [Hkv] float32 (views of the cache's); else None.
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv: KVLayer,
                 meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
@@ -48,15 +54,17 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = self.ops.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv
-        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_scale, v_scale = self.k_scale, self.v_scale
+        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         for peer_layers, peer_slots in meta.kv_mirrors:
-            # The same K/V straight into a decode worker's pages: one more store, no copy afterwards.
+            # The same K/V straight into a decode worker's pages: one more store, no copy afterwards. Its pool has
+            # our KV layout (dtype included), and fp8 scales are the same static values everywhere.
             peer_k, peer_v = peer_layers[self.layer_idx]
-            self.ops.store_kv(k, v, peer_k, peer_v, peer_slots)
+            self.ops.store_kv(k, v, peer_k, peer_v, peer_slots, k_scale, v_scale)
         if not meta.is_prefill:  # a pure decode step (what CUDA graphs capture)
             assert meta.block_tables is not None and meta.context_lens is not None
-            out = self.ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                                  meta.context_lens, self.scale, meta.num_splits)
+            out = self.ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                                  self.scale, meta.num_splits, k_scale=k_scale, v_scale=v_scale)
         else:
             out = self._prefill_attention(q, k, v, kv, meta)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -68,21 +76,33 @@ class LlamaAttention(nn.Module):
         contiguous prefill kernel (all at position 0) or the paged one (with context)."""
         assert meta.cu_seqlens is not None
         k_cache, v_cache = kv
+        k_scale, v_scale = self.k_scale, self.v_scale
         num_decode = meta.num_decode_tokens
         q_chunks = q[num_decode:]
         if meta.seq_lens is not None:
             assert meta.prefill_block_tables is not None
             out = self.ops.paged_prefill_attention(q_chunks, k_cache, v_cache, meta.prefill_block_tables,
-                                                   meta.cu_seqlens, meta.seq_lens, meta.max_seqlen, self.scale)
+                                                   meta.cu_seqlens, meta.seq_lens, meta.max_seqlen, self.scale,
+                                                   k_scale=k_scale, v_scale=v_scale)
         else:
-            out = self.ops.prefill_attention(q_chunks, k[num_decode:], v[num_decode:], meta.cu_seqlens,
-                                             meta.max_seqlen, self.scale)
+            k_new, v_new = k[num_decode:], v[num_decode:]
+            if k_scale is not None and v_scale is not None:
+                # fp8 cache: attend to the keys and values as stored, as every later chunk and decode step reads
+                # them, so that a prompt's result does not depend on how it was chunked (or prefix-cached).
+                k_new, v_new = _as_stored(k_new, k_scale), _as_stored(v_new, v_scale)
+            out = self.ops.prefill_attention(q_chunks, k_new, v_new, meta.cu_seqlens, meta.max_seqlen, self.scale)
         if num_decode == 0:
             return out
         assert meta.block_tables is not None and meta.context_lens is not None
         decoded = self.ops.paged_decode_attention(q[:num_decode], k_cache, v_cache, meta.block_tables,
-                                                  meta.context_lens, self.scale, meta.num_splits)
+                                                  meta.context_lens, self.scale, meta.num_splits,
+                                                  k_scale=k_scale, v_scale=v_scale)
         return torch.cat([decoded, out])
+
+
+def _as_stored(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, D] as an fp8 cache with per-head `scale` [Hkv] reads it back, in x's dtype."""
+    return dequantize_kv(quantize_kv(x, scale), scale).to(x.dtype)
 
 
 class LlamaMLP(nn.Module):
@@ -154,6 +174,14 @@ class LlamaForCausalLM(nn.Module):
         norm = self.model.norm
         hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
         return hidden
+
+    def set_kv_scales(self, scales: torch.Tensor | None) -> None:
+        """fp8 KV cache: every attention reads its layer's static K and V scales from `scales` [L, 2, Hkv] float32
+        (views: the KV cache owns the tensor); None for a cache in the model's dtype."""
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            assert isinstance(attn, LlamaAttention)
+            attn.k_scale, attn.v_scale = (None, None) if scales is None else (scales[i, 0], scales[i, 1])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] → [N, vocab] in float32 (sampling and logprobs want full precision)."""

@@ -59,6 +59,20 @@ class Request:
     # The tokens it had when last admitted: until they are all computed it is prefilling (its prompt, or a
     # preempted request's recomputation), then decoding.
     num_prefill_tokens: int = 0
+    # Prefix cache: hashes of its full blocks so far (a chain, extended as it grows), how many of its blocks are
+    # registered in the cache, and how many of its tokens were found there when it was admitted.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
+    # Prefill role: leading tokens whose pages the receiver already holds (from its own prefix cache): those
+    # pages are not shipped.
+    num_receiver_cached_tokens: int = 0
+    # Speculative decoding: the proposals the next step verifies, how many it may propose (shrinks while
+    # proposals are rejected), and its counters.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_spec_allowed: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
@@ -95,6 +109,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_from(self, start: int, num: int) -> list[int]:
+        """`num` of its tokens from position `start`, the proposals of a verify step after its last token."""
+        tokens = self.all_token_ids + self.spec_token_ids
+        return tokens[start:start + num]
 
     @property
     def last_token_id(self) -> int:

@@ -14,12 +14,13 @@ import torch
 from tandem.common.config import EngineConfig
 from tandem.engine.attention import AttentionMetadata
 from tandem.engine.cuda_graphs import DecodeGraphs
-from tandem.engine.kv_cache import KVCache, num_blocks_to_allocate
+from tandem.engine.kv_cache import KVCache, kv_cache_dtype, num_blocks_to_allocate
 from tandem.engine.model import LlamaForCausalLM
-from tandem.engine.request import Request
+from tandem.engine.request import KVMirror, Request
 from tandem.engine.rope import cos_sin_cache
 from tandem.engine.sampler import SamplingTensors, sample
 from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.spec_decode import pad_proposals, verify
 from tandem.engine.weights import load_weights
 from tandem.kernels import Ops, get_ops, triton_available
 from tandem.kernels.cpu_linear import pack_linears
@@ -53,16 +54,18 @@ class ModelRunner:
         model_config = config.model
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_config, self.ops).to(self.dtype)
-        load_weights(self.model, model_config)
+        load_weights(self.model, model_config)  # quantizes the projections with model_config.quantization
         self.model.eval().requires_grad_(False)
         if self.device.type == "cpu":
-            pack_linears(self.model)  # oneDNN with prepacked weights: ~4x MKL on decode-sized GEMMs
+            # oneDNN with prepacked weights: ~4x MKL on decode-sized GEMMs (the fp32 linears left after quantization)
+            pack_linears(self.model)
         self.max_model_len = config.max_model_len
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        num_blocks = num_blocks_to_allocate(model_config, config.cache, self.dtype, self.device,
-                                            self.max_model_len)
-        self.kv_cache = KVCache(model_config, self.block_size, num_blocks, self.dtype, self.device)
+        kv_dtype = kv_cache_dtype(config.cache, self.dtype, self.device)
+        num_blocks = num_blocks_to_allocate(model_config, config.cache, kv_dtype, self.device, self.max_model_len)
+        self.kv_cache = KVCache(model_config, self.block_size, num_blocks, kv_dtype, self.device)
+        self.model.set_kv_scales(self.kv_cache.scales)
         self.kv_layers = self.kv_cache.layers
         self.cos_sin = cos_sin_cache(model_config.rope, model_config.head_dim, self.max_model_len, self.device)
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -75,35 +78,44 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput,
-                on_layer_done: Callable[[int], None] | None = None) -> tuple[list[int], list[float]]:
-        """Run one step; return the new token id and its logprob of each request that samples (in order)."""
-        if output.is_prefill:
-            chunks = [(r, r.num_computed_tokens, n) for r, n in zip(output.requests, output.num_new_tokens,
-                                                                     strict=True)]
-            sampling = [r for i, r in enumerate(output.requests) if output.samples(i)]
-            logits = self.chunk_logits(chunks, [output.samples(i) for i in range(len(chunks))], on_layer_done)
-        else:
+    def execute(self, output: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
+                ) -> tuple[list[list[int]], list[list[float]]]:
+        """Run one step; return what each request that samples emitted (in order): its new token, or after a
+        verify step the accepted proposals and the target's next token; with their logprobs."""
+        if output.is_pure_decode:
             sampling = output.requests
             logits = self.decode_logits(output.requests)
+            num_spec = [0] * len(sampling)
+        else:
+            chunks = [(r, r.num_computed_tokens, n) for r, n in zip(output.requests, output.num_new_tokens,
+                                                                     strict=True)]
+            rows = [1 + output.num_spec_tokens(i) if output.samples(i) else 0 for i in range(len(chunks))]
+            sampling = [r for i, r in enumerate(output.requests) if output.samples(i)]
+            num_spec = [output.num_spec_tokens(i) for i in range(len(chunks)) if output.samples(i)]
+            logits = self.chunk_logits(chunks, rows, on_layer_done)
         if not sampling:  # every chunk of the step was a partial prompt
             return [], []
         tensors = SamplingTensors.from_requests(sampling, self.device)
+        if any(num_spec):
+            proposals = pad_proposals([r.spec_token_ids[:k] for r, k in zip(sampling, num_spec, strict=True)],
+                                      max(num_spec), self.device)
+            # The one host sync per step: the scheduler needs the tokens to apply stop rules.
+            return verify(logits, proposals, tensors).tolist()
         token_ids, logprobs = sample(logits, tensors)
-        # The one host sync per step: the scheduler needs the tokens to apply stop rules.
-        return token_ids.tolist(), logprobs.tolist()
+        return [[t] for t in token_ids.tolist()], [[p] for p in logprobs.tolist()]
 
     def prefill_logits(self, requests: list[Request],
                        on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits [B, V] of the last token of each request, computing all its tokens from position 0."""
-        return self.chunk_logits([(r, 0, r.num_tokens) for r in requests], [True] * len(requests), on_layer_done)
+        return self.chunk_logits([(r, 0, r.num_tokens) for r in requests], [1] * len(requests), on_layer_done)
 
-    def chunk_logits(self, chunks: list[tuple[Request, int, int]], wants_logits: list[bool],
+    def chunk_logits(self, chunks: list[tuple[Request, int, int]], num_logits: list[int],
                      on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Compute tokens [start, start + n) of each (request, start, n), packed in one forward (K/V stored into
-        the pages as each layer runs); logits [sum(wants_logits), V] of the last token of each chunk that wants
-        them. Decode tokens (first in a step) attend through the decode kernel; prompt chunks that all start at
-        position 0 among their own tokens (the contiguous prefill kernel), otherwise over the paged cache."""
+        the pages as each layer runs); logits [sum(num_logits), V] of the last num_logits[i] tokens of chunk i
+        (1: the next token; 1 + k: a verify step's rows; 0: a partial prompt). Decode tokens (first in a step)
+        attend through the decode kernel; prompt chunks that all start at position 0 among their own tokens (the
+        contiguous prefill kernel), otherwise (later chunks, verify steps) over the paged cache."""
         # The leading decode tokens (the scheduler puts them first) attend through the decode kernel.
         num_decode = 0
         while (num_decode < len(chunks) and chunks[num_decode][2] == 1
@@ -116,7 +128,7 @@ class ModelRunner:
         bounds = [0]  # of every chunk in the packed step, decode tokens included
         for request, start, num_new in chunks:
             # After a preemption the "prompt" is everything so far: recompute rebuilds its KV.
-            input_ids += request.all_token_ids[start:start + num_new]
+            input_ids += request.token_ids_from(start, num_new)
             positions += range(start, start + num_new)
             slots += self._slots(request, start, start + num_new)
             bounds.append(bounds[-1] + num_new)
@@ -138,8 +150,8 @@ class ModelRunner:
             meta.num_splits = self.num_splits_for(num_decode)
         hidden = self.model(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
                             self.kv_layers, meta, self.cos_sin, on_layer_done)
-        last = self._to_device([end - 1 for end, wants in zip(bounds[1:], wants_logits, strict=True) if wants],
-                               torch.int64)
+        last = self._to_device([row for end, count in zip(bounds[1:], num_logits, strict=True)
+                                for row in range(end - count, end)], torch.int64)
         return self.model.compute_logits(hidden[last])
 
     def decode_logits(self, requests: list[Request]) -> torch.Tensor:
@@ -190,16 +202,32 @@ class ModelRunner:
 
     def _mirror_slots(self, chunks: list[tuple[Request, int, int]], cu_seqlens: list[int]
                       ) -> list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]:
-        """Per mirrored pool, the slot of each of this step's tokens in it (-1 for tokens going elsewhere): one
-        more store per layer per pool, built once per step (no per-layer host work)."""
+        """Per mirrored pool, the slot of each of this step's tokens in it (-1 for tokens going elsewhere, and for
+        tokens whose pages the receiver already holds): one more store per layer per pool, built once per step
+        (no per-layer host work). Blocks this worker found in its prefix cache that the receiver lacks are
+        copied over once, on the request's first step."""
         by_pool: dict[int, tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]] = {}
+        bs = self.block_size
         for i, (request, start, num_new) in enumerate(chunks):
             mirror = request.kv_mirror
             if mirror is None:
                 continue
             _, slots = by_pool.setdefault(id(mirror.layers), (mirror.layers, [-1] * cu_seqlens[-1]))
-            slots[cu_seqlens[i]:cu_seqlens[i + 1]] = self._slots(request, start, start + num_new, mirror.block_ids)
+            first = max(start, request.num_receiver_cached_tokens)
+            if first < start + num_new:
+                offset = cu_seqlens[i] + first - start
+                slots[offset:cu_seqlens[i + 1]] = self._slots(request, first, start + num_new, mirror.block_ids)
+            if start == request.num_cached_tokens > request.num_receiver_cached_tokens:
+                self._copy_blocks(request.block_ids, mirror, request.num_receiver_cached_tokens // bs, start // bs)
         return [(layers, self._to_device(slots, torch.int64)) for layers, slots in by_pool.values()]
+
+    def _copy_blocks(self, block_ids: list[int], mirror: KVMirror, first: int, end: int) -> None:
+        """Copy this pool's blocks [first, end) of a request into the same positions of its mirror."""
+        src = self._to_device(block_ids[first:end], torch.int64)
+        dst = self._to_device(mirror.block_ids[first:end], torch.int64)
+        for (k_dst, v_dst), (k_src, v_src) in zip(mirror.layers, self.kv_layers, strict=True):
+            k_dst.index_copy_(0, dst, k_src.index_select(0, src))
+            v_dst.index_copy_(0, dst, v_src.index_select(0, src))
 
     def _block_tables(self, requests: list[Request]) -> torch.Tensor:
         max_blocks = max(len(r.block_ids) for r in requests)

@@ -9,14 +9,21 @@ allocated as the tokens that need them are scheduled; when a running request can
 request is preempted by recompute (its blocks are freed and it goes back to the front of the queue).
 
 Without chunked prefill a prompt is scheduled whole or not at all (the budget must then hold a whole prompt).
+
+Prefix caching: on admission a request's full blocks are looked up by hash in the block pool; the cached prefix
+is shared (reference counted) and not computed again (its tokens count as computed), and every block that fills
+up with computed K/V is registered under its hash for later requests. At least the last token is always
+computed (its logits give the next token).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.common.config import SchedulerConfig
+from tandem.common.prefix_cache import BlockHash, block_hashes
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.request import Request, RequestStatus
 
@@ -38,9 +45,13 @@ class SchedulerOutput:
 
     @property
     def is_prefill(self) -> bool:
-        """False for a pure decode step (one token for each request, every one of them decoding): the step that
-        runs through the CUDA graphs; True when any prompt (or a recomputation) is being computed."""
+        """True when any prompt (or a recomputation) is being computed."""
         return any(r.is_prefilling for r in self.requests)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """One token for every request, each of them decoding: the step that runs through the CUDA graphs."""
+        return not self.is_prefill and all(n == 1 for n in self.num_new_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -49,16 +60,24 @@ class SchedulerOutput:
     def samples(self, index: int) -> bool:
         """Whether requests[index] samples a token this step (its chunk reaches its last token)."""
         request = self.requests[index]
-        return request.num_computed_tokens + self.num_new_tokens[index] == request.num_tokens
+        return request.num_computed_tokens + self.num_new_tokens[index] >= request.num_tokens
+
+    def num_spec_tokens(self, index: int) -> int:
+        """Proposals requests[index] verifies this step (its new tokens past its last one)."""
+        request = self.requests[index]
+        return max(0, request.num_computed_tokens + self.num_new_tokens[index] - request.num_tokens)
 
 
 class Scheduler:
     """Owns the queues. `schedule()` picks the next step; `update_from_output()` applies its tokens."""
 
     def __init__(self, config: SchedulerConfig, block_pool: BlockPool, block_size: int,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], prefix_key: bytes | None = None) -> None:
+        """`prefix_key`: what else the cached K/V depend on (the model and KV layout fingerprint); None turns the
+        prefix cache off."""
         assert config.max_num_batched_tokens is not None, "resolve the token budget first (SchedulerConfig.resolved)"
         self.config = config
+        self.prefix_key = prefix_key
         self.block_pool = block_pool
         self.block_size = block_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -83,11 +102,13 @@ class Scheduler:
 
     # -- remote prefill (decode role) ----------------------------------------------------------
     def activate(self, request: Request) -> None:
-        """The pages have landed and the first token is known: the request joins the running batch."""
+        """The pages have landed and the first token is known: the request joins the running batch (and its full
+        blocks, now computed, join the prefix cache)."""
         del self.receiving[request.req_id]
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = request.num_prefill_tokens = request.num_tokens
         self.running.append(request)
+        self._cache_blocks(request)
 
     def prefill_locally(self, request: Request, reason: str) -> None:
         """A reserved request whose transfer failed: free its blocks and compute its prompt here, first in line
@@ -95,6 +116,7 @@ class Scheduler:
         del self.receiving[request.req_id]
         self.block_pool.free(request.block_ids)
         request.block_ids = []
+        request.num_registered_blocks = 0
         request.remote_prefill = False
         request.local_prefill_reason = reason
         request.status = RequestStatus.WAITING
@@ -116,6 +138,14 @@ class Scheduler:
                     index += 1  # a whole prompt that does not fit this step; the next one may
                     continue
                 num_new = budget
+            if request.spec_token_ids:
+                # Verify proposals too, as far as the budget and the free blocks allow: speculation never
+                # preempts anyone (its proposals are dropped first).
+                del request.spec_token_ids[budget - num_new:]
+                needed = num_blocks_for(request.num_tokens + len(request.spec_token_ids), self.block_size)
+                if not self.block_pool.can_allocate(needed - len(request.block_ids)):
+                    request.spec_token_ids.clear()
+                num_new += len(request.spec_token_ids)
             if not self._grow(request, num_new, index, preempted):
                 break  # the request itself was preempted: it was the newest, nothing after it runs
             (chunks if request.is_prefilling else decodes).append((request, num_new))
@@ -124,7 +154,8 @@ class Scheduler:
         reserved: list[Request] = []
         if not preempted:  # a step that had to preempt admits nobody new
             budget = self._admit(budget, chunks, reserved)
-        scheduled = decodes + chunks  # decode tokens first, then prompt chunks
+        # Decode tokens first (one per request, then the verify runs of requests with proposals), then prompt chunks.
+        scheduled = [d for d in decodes if d[1] == 1] + [d for d in decodes if d[1] > 1] + chunks
         if not scheduled and not preempted and not reserved:
             return None
         return SchedulerOutput(requests=[r for r, _ in scheduled], num_new_tokens=[n for _, n in scheduled],
@@ -152,25 +183,32 @@ class Scheduler:
             request = self.waiting[0]
             if len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
                 break
+            hits = self._find_cached(request)
+            num_cached = len(hits) * self.block_size
+            if request.remote_prefill and hits and request.num_tokens - num_cached <= self.block_size:
+                # The whole prompt is cached here but for its last block: a prefill worker would add nothing.
+                request.remote_prefill = False
+                request.local_prefill_reason = "prefix_cached"
             if request.remote_prefill:
-                num_blocks = num_blocks_for(request.num_tokens, self.block_size)
-                if not self.block_pool.can_allocate(num_blocks):
+                num_blocks = num_blocks_for(request.num_tokens, self.block_size) - len(hits)
+                if not self.block_pool.can_allocate(num_blocks, hits):
                     break
                 self.waiting.popleft()
-                request.block_ids = self.block_pool.allocate(num_blocks)
+                self._take(request, hits, num_blocks)
                 request.status = RequestStatus.WAITING_FOR_KV
                 self.receiving[request.req_id] = request
                 reserved.append(request)
                 continue
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = request.num_tokens - num_cached
             if budget <= 0 or (num_new > budget and not chunked):
                 break
             num_new = min(num_new, budget)
-            num_blocks = num_blocks_for(request.num_computed_tokens + num_new, self.block_size)
-            if not self.block_pool.can_allocate(num_blocks - len(request.block_ids)):
+            num_blocks = num_blocks_for(num_cached + num_new, self.block_size) - len(hits)
+            if not self.block_pool.can_allocate(num_blocks, hits):
                 break
             self.waiting.popleft()
-            request.block_ids += self.block_pool.allocate(num_blocks - len(request.block_ids))
+            self._take(request, hits, num_blocks)
+            request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             request.num_prefill_tokens = request.num_tokens
             self.running.append(request)
@@ -178,12 +216,52 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    # -- prefix cache --------------------------------------------------------------------------
+    def _hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The hashes of the request's first `num_blocks` full blocks (its chain extended as needed)."""
+        assert self.prefix_key is not None
+        hashes = request.block_hashes
+        if len(hashes) < num_blocks:
+            tokens = request.all_token_ids[len(hashes) * self.block_size:num_blocks * self.block_size]
+            hashes += block_hashes(tokens, self.block_size, self.prefix_key, hashes[-1] if hashes else None)
+        return hashes[:num_blocks]
+
+    def _find_cached(self, request: Request) -> list[int]:
+        """The cached blocks of the request's longest cached prefix (none when it already holds blocks, or the
+        cache is off), leaving at least its last token to compute."""
+        if self.prefix_key is None or request.block_ids:
+            return []
+        return self.block_pool.find_cached(self._hashes(request, (request.num_tokens - 1) // self.block_size))
+
+    def _take(self, request: Request, hits: list[int], num_new_blocks: int) -> None:
+        """Admission's blocks: the cached hits (shared), then `num_new_blocks` fresh ones."""
+        if self.prefix_key is not None:
+            self.block_pool.record_lookup(request.num_tokens, len(hits) * self.block_size)
+        self.block_pool.acquire(hits)
+        request.block_ids = hits + self.block_pool.allocate(num_new_blocks)
+        request.num_cached_tokens = len(hits) * self.block_size
+        request.num_registered_blocks = len(hits)
+
+    def _cache_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are full of computed K/V and not registered yet."""
+        if self.prefix_key is None:
+            return
+        # Accepted proposals count as computed a moment before they are appended as tokens: only known tokens hash.
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        if num_full <= request.num_registered_blocks:
+            return
+        hashes = self._hashes(request, num_full)
+        for i in range(request.num_registered_blocks, num_full):
+            self.block_pool.cache_full_block(request.block_ids[i], hashes[i])
+        request.num_registered_blocks = num_full
+
     def _preempt(self, request: Request) -> Request:
         """Recompute later: free the blocks now; the request goes back to the front of the queue."""
         self.running.remove(request)
         self.block_pool.free(request.block_ids)
         request.block_ids = []
         request.num_computed_tokens = 0
+        request.num_registered_blocks = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         # Recomputed here: its pages are gone, whoever computed them first.
@@ -193,37 +271,63 @@ class Scheduler:
         return request
 
     # -- results -------------------------------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, token_ids: list[int],
-                           logprobs: list[float]) -> list[Request]:
-        """Advance every scheduled request by its computed tokens and append a sampled token to each that
-        sampled (`token_ids` in the order of those requests); finish those that stop. Returns the finished."""
+    def update_from_output(self, output: SchedulerOutput, token_ids: Sequence[int | Sequence[int]],
+                           logprobs: Sequence[float | Sequence[float]]) -> list[Request]:
+        """Advance every scheduled request by its computed tokens and append what each that sampled emitted, in
+        the order of those requests: a token, or (a verify step) the run of its accepted proposals plus the
+        target's next token; finish those that stop. Returns the finished."""
         finished: list[Request] = []
         sampled = iter(zip(token_ids, logprobs, strict=True))
         for i, (request, num_new) in enumerate(zip(output.requests, output.num_new_tokens, strict=True)):
             samples = output.samples(i)
-            token = next(sampled) if samples else None
+            num_spec = output.num_spec_tokens(i)
+            emitted = next(sampled) if samples else None
+            request.spec_token_ids = []
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             if request.is_prefilling:
                 # Counted whoever asked: a prompt computed here, or a preempted request's recomputation.
                 reason = request.local_prefill_reason
                 request.local_prefill_tokens[reason] = request.local_prefill_tokens.get(reason, 0) + num_new
-            request.num_computed_tokens += num_new
-            if token is None:
+            if emitted is None:
+                request.num_computed_tokens += num_new
+                self._cache_blocks(request)
                 continue
-            token_id, logprob = token
+            ids, probs = emitted
+            ids = [ids] if isinstance(ids, int) else list(ids)
+            probs = [probs] if isinstance(probs, float) else list(probs)
+            # Only the accepted proposals' K/V count; the rejected ones' slots are rewritten by later steps.
+            num_accepted = len(ids) - 1
+            request.num_computed_tokens += num_new - num_spec + num_accepted
+            request.num_draft_tokens += num_spec
+            request.num_accepted_tokens += num_accepted
+            self._cache_blocks(request)
             if request.prefill_only:
                 # The decode worker applies the stop rules to this token; the pages must ship anyway.
-                request.output_token_ids.append(token_id)
-                request.output_logprobs.append(logprob)
+                request.output_token_ids.append(ids[0])
+                request.output_logprobs.append(probs[0])
                 request.status = RequestStatus.PREFILLED
                 self.running.remove(request)
                 self.prefilled[request.req_id] = request
                 continue
-            self.append_token(request, token_id, logprob)
+            for token_id, logprob in zip(ids, probs, strict=True):
+                self.append_token(request, token_id, logprob)
+                if request.status.is_finished:
+                    break
             if request.status.is_finished:
                 finished.append(request)
+            elif num_spec:
+                self._cache_blocks(request)  # the accepted proposals' blocks, now that they are tokens
+                self._trim(request)
         return finished
+
+    def _trim(self, request: Request) -> None:
+        """After a verify step: free the blocks only rejected proposals used (the next step needs blocks up to its
+        last token)."""
+        keep = num_blocks_for(request.num_tokens, self.block_size)
+        if len(request.block_ids) > keep:
+            self.block_pool.free(request.block_ids[keep:])
+            del request.block_ids[keep:]
 
     def append_token(self, request: Request, token_id: int, logprob: float) -> None:
         request.output_token_ids.append(token_id)

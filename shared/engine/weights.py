@@ -1,4 +1,5 @@
-"""Fill a `LlamaForCausalLM` with weights: an HF safetensors folder, or seeded random ("dummy") ones."""
+"""Fill a `LlamaForCausalLM` with weights: an HF safetensors folder, or seeded random ("dummy") ones; then
+quantize its projections when the config asks for it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from safetensors import safe_open
 
 from tandem.common.config import ConfigError, ModelConfig
 from tandem.engine.model import LlamaForCausalLM
+from tandem.engine.quantization import quantize_linears
 
 # HF name fragment → (merged parameter fragment, shard index). Shards are stacked along dim 0 in
 # this order, which is the order `LlamaAttention.split_sizes` and `silu_and_mul` expect.
@@ -31,13 +33,20 @@ def _shard_offsets(config: ModelConfig, merged: str) -> list[int]:
 
 
 def load_weights(model: LlamaForCausalLM, config: ModelConfig) -> None:
-    """Copy every tensor of the checkpoint into the model; every parameter must be covered."""
+    """Copy every tensor of the checkpoint into the model (every parameter must be covered), or random ones for a
+    dummy model; then, with `config.quantization`, replace the projections by quantized ones."""
     if config.weights_path is None:
         init_dummy_weights(model, config.dummy_seed)
-        return
-    files = sorted(Path(config.weights_path).glob("*.safetensors"))
+    else:
+        _load_checkpoint(model, config, config.weights_path)
+    if config.quantization is not None:
+        quantize_linears(model, config.quantization)
+
+
+def _load_checkpoint(model: LlamaForCausalLM, config: ModelConfig, weights_path: str) -> None:
+    files = sorted(Path(weights_path).glob("*.safetensors"))
     if not files:
-        raise ConfigError(f"weights_path: no *.safetensors files in {config.weights_path}")
+        raise ConfigError(f"weights_path: no *.safetensors files in {weights_path}")
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for file in files:

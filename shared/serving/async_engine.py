@@ -44,6 +44,11 @@ class TokenEvent:
     finish_reason: str | None = None
     # Prompt tokens this engine computed for the request since its previous event, by reason.
     local_prefill_tokens: dict[str, int] = field(default_factory=dict)
+    # First event only: prompt tokens found in this engine's prefix cache.
+    num_cached_tokens: int = 0
+    # Speculative decoding so far: proposals verified for the request, and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # Requests in the engine step that produced these tokens, and its wall time (0: not from a step,
     # e.g. the first token a remote prefill worker sampled).
     batch_size: int = 0
@@ -54,9 +59,11 @@ class TokenEvent:
 
 @dataclass
 class ReservedEvent:
-    """Decode role: the scheduler admitted a remote-prefill request and reserved its blocks."""
+    """Decode role: the scheduler admitted a remote-prefill request and reserved its blocks; the first
+    `num_cached_tokens` tokens' blocks came from its prefix cache (no pages needed for them)."""
 
     block_ids: list[int]
+    num_cached_tokens: int = 0
 
 
 class RequestStream:
@@ -67,6 +74,7 @@ class RequestStream:
         self.loop = loop
         self.events: asyncio.Queue[Any] = asyncio.Queue()
         self.num_sent = num_sent  # output tokens already delivered (or already with the client)
+        self.first_sent = False
         self.local_prefill_sent: dict[str, int] = {}
 
     async def next(self) -> Any:
@@ -150,11 +158,15 @@ class AsyncEngine:
                  for reason, n in request.local_prefill_tokens.items() if n != stream.local_prefill_sent.get(reason, 0)}
         stream.local_prefill_sent = dict(request.local_prefill_tokens)
         queue_s = None
-        if stream.num_sent == 0 and request.first_scheduled_time is not None:
+        is_first = not stream.first_sent
+        stream.first_sent = True
+        if is_first and request.first_scheduled_time is not None:
             queue_s = request.first_scheduled_time - request.arrival_time
         logprobs = request.output_logprobs[stream.num_sent:]
         stream.num_sent = request.num_output_tokens
-        return stream, TokenEvent(new_ids, logprobs, request.finish_reason, local, batch_size, step_s, queue_s)
+        return stream, TokenEvent(new_ids, logprobs, request.finish_reason, local,
+                                  request.num_cached_tokens if is_first else 0, request.num_draft_tokens,
+                                  request.num_accepted_tokens, batch_size, step_s, queue_s)
 
     def _publish_step(self, result: StepResult, seconds: float) -> None:
         """Engine thread: every request's new tokens of a step, handed to the event loop in one wake-up
@@ -168,7 +180,7 @@ class AsyncEngine:
         for request in result.reserved:
             if (reserved_stream := self._streams.get(request.req_id)) is not None:
                 by_loop.setdefault(reserved_stream.loop, []).append(
-                    (reserved_stream.events, ReservedEvent(list(request.block_ids))))
+                    (reserved_stream.events, ReservedEvent(list(request.block_ids), request.num_cached_tokens)))
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)
 

@@ -15,10 +15,15 @@ import grpc
 from tandem.common.config import ConfigError
 from tandem.serving import metrics
 from tandem.serving.registry import RedisRegistry, WorkerRecord
-from tandem.serving.rpc import AddServicers, TlsConfig, start_server, stop_server
+from tandem.serving.rpc import DEFAULT_MAX_MESSAGE_BYTES, AddServicers, TlsConfig, start_server, stop_server
 from tandem.serving.telemetry import SERVICE_NAMES, setup_tracing
 
 log = logging.getLogger(__name__)
+
+# A decode worker sends an empty message on a `Decode.Session` that has requests in flight whenever it has sent
+# nothing for this long, so that the gateway can tell a worker that is waiting (a long prefill, say) from one
+# that is frozen (stopped, or its event loop stuck): see `GatewayLimits.decode_stall_timeout_s`.
+SESSION_HEARTBEAT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,10 @@ class ServiceOptions:
     http_port: int = 0
     redis_url: str | None = None
     drain_s: float = 30.0
+    # Streams one client connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS).
     max_concurrent_streams: int = 256
+    # Largest gRPC message received or sent (gRPC answers RESOURCE_EXHAUSTED past it).
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # TLS on the gRPC port and on this service's calls to others; None: plaintext (the loopback default).
     tls: TlsConfig | None = None
 
@@ -43,6 +51,9 @@ class ServiceOptions:
             raise ConfigError(f"role must be gateway, prefill or decode, got {self.role!r}")
         if not 0 <= self.port < 65536 or not 0 <= self.http_port < 65536:
             raise ConfigError(f"port: out of range ({self.port}, {self.http_port})")
+        if self.max_concurrent_streams < 1 or self.max_message_bytes < 1:
+            raise ConfigError(f"max_concurrent_streams and max_message_bytes must be at least 1, got "
+                              f"{self.max_concurrent_streams}, {self.max_message_bytes}")
 
     def advertised(self, bound_port: int) -> str:
         if self.advertise:
@@ -57,18 +68,21 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
                       cleanup: Callable[[], Awaitable[None]] | None = None,
                       start_http: Callable[[str, int], Awaitable[int]] | None = None,
                       interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                      on_drain: Callable[[], None] | None = None) -> None:
+                      on_drain: Callable[[], None] | None = None,
+                      stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING at once, deregister, let calls in flight
     finish for up to `drain_s`, stop. `record(address)` describes this worker for the registry.
     `start_http(host, port)` starts the service's own HTTP server (which must serve `/metrics`) in place
     of the metrics-only one and returns its bound port; `cleanup` stops it. `interceptors` (e.g. the
     gateway's API keys) wrap every handler. `on_drain` runs as the drain begins (a decode worker ends its
-    long-lived sessions as their requests finish)."""
+    long-lived sessions as their requests finish; the gateway refuses new HTTP requests). With `stop`, the
+    drain begins when it is set and no signal handler is installed (a service run inside a test)."""
     # Tracing (off unless OTEL_* asks for it) is set up first: the servicers' tracers are proxies that
     # record from then on. Replicas share a service.name; the instance id tells them apart.
     tracer_provider = setup_tracing(SERVICE_NAMES[options.role], instance_id=options.advertised(options.port))
     server, port, health = await start_server(f"{options.host}:{options.port}", add_servicers, tls=options.tls,
                                               max_concurrent_streams=options.max_concurrent_streams,
+                                              max_message_bytes=options.max_message_bytes,
                                               interceptors=interceptors)
     if start_http is not None:
         http_port = await start_http(options.host, options.http_port)
@@ -84,10 +98,11 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
           f"http=http://{options.host}:{http_port}", flush=True)
     if on_started is not None:
         on_started(address, http_port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("%s draining (up to %.0f s)", options.role, options.drain_s)
     # NOT_SERVING first: gateways probing health stop routing here even before Redis hears of it.

@@ -13,8 +13,8 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tandem.common.prefix_cache import ROOT_HASH, BlockHash, block_hashes
 from tandem.engine.block_pool import BlockPool
-from tandem.engine.prefix_cache import ROOT_HASH, BlockHash, block_hashes
 
 BLOCK = 4
 
@@ -64,7 +64,7 @@ def test_parent_continues_a_chain() -> None:
 def test_hashes_are_stable_across_processes_and_hash_seeds() -> None:
     expected = "63b755a5c12c161f99ac3f86b55a7ab02b3dae9b0ab2a86218a8b8cbb5c153d6"
     assert block_hashes(list(range(16)), 16, "model-a")[0].hex() == expected
-    code = ("from tandem.engine.prefix_cache import block_hashes;"
+    code = ("from tandem.common.prefix_cache import block_hashes;"
             "print(block_hashes(list(range(16)), 16, 'model-a')[0].hex())")
     for seed in ("1", "2"):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

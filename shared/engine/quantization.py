@@ -1,0 +1,115 @@
+"""Weight quantization at load: the four projections of every decoder layer become `QuantizedLinear`s.
+
+`ModelConfig.quantization`:
+- "int8": weight-only (W8A16). Symmetric int8 weights with one float32 scale per output channel, absmax / 127;
+  the weights stay int8 in memory and every GEMM dequantizes inside the kernel (a quarter of fp32's bytes, half
+  of bf16's): the memory-bound decode path.
+- "fp8": e4m3 weights with per-output-channel scales (absmax / 448), activations quantized per token on the fly
+  (dynamic scales); on Hopper the GEMM runs on the fp8 tensor cores: the compute-bound path.
+Embeddings and the output head stay in the model's dtype (the head's error would reach every logit).
+
+Which kernel runs a layer follows the model's `Ops`: with the Triton ops, the Triton kernels
+(`int8_linear_triton`, `fp8_linear_triton`: on CUDA, or in Triton's interpreter in the kernel tests); with the
+torch ops on the CPU, int8 runs `int8_linear_cpu` (`torch._weight_int8pack_mm` over the int8 weights, bf16
+activations) and fp8 the reference `fp8_linear_ref`, which emulates the fp8 arithmetic in fp32 and dequantizes
+the weight on every call: it is there to check accuracy on a CPU, not for speed. Elsewhere (CUDA with
+use_triton=False) the references run.
+
+Scales are plain absmax, not `quantize_int8_weight`'s clip search: that search lowers the weight MSE by ~3%
+(its docstring), which is worth little at 8 bits, and costs ~30 s for SmolLM2-135M on a 2-core CPU at every load.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.common.config import ConfigError
+from tandem.engine.model import LlamaForCausalLM
+from tandem.kernels.quant_linear import QuantWeight, linear_function
+
+# The linears each decoder layer quantizes, by their names under the layer.
+QUANTIZED_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer over quantized weights: x [T, K] -> [T, N] in x's dtype.
+
+    The codes, scales and bias are buffers (they move with the module and count in its memory); the kernel is
+    picked once, at construction, for the module's `backend`.
+    """
+
+    def __init__(self, weight: QuantWeight, backend: str) -> None:
+        super().__init__()
+        self.kind = weight.kind
+        self.backend = backend
+        self.in_features = weight.qweight.shape[1]
+        self.out_features = weight.qweight.shape[0]
+        self.qweight: torch.Tensor
+        self.scales: torch.Tensor
+        self.bias: torch.Tensor | None
+        self.register_buffer("qweight", weight.qweight)  # [N, K] int8 or float8_e4m3fn
+        self.register_buffer("scales", weight.scales)  # [N] float32
+        self.register_buffer("bias", weight.bias)  # [N] or None
+        self._linear = linear_function(weight.kind, backend)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kind: str, backend: str) -> QuantizedLinear:
+        weight = QuantWeight.quantize(linear.weight.detach(), kind, bias=linear.bias, clip_search=False)
+        return cls(weight, backend)
+
+    @property
+    def quant_weight(self) -> QuantWeight:
+        return QuantWeight(self.kind, self.qweight, self.scales, None, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, self.qweight, self.scales, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, "
+                f"backend={self.backend}, bias={self.bias is not None}")
+
+
+def linear_backend(kind: str, ops_name: str, device: torch.device) -> str:
+    """The `quant_linear` backend of a layer: Triton with the Triton ops, the int8 CPU kernel on the CPU, else the
+    references (see the module docstring)."""
+    if ops_name == "triton":
+        return "triton"
+    if device.type == "cpu" and kind == "int8":
+        return "cpu"
+    return "torch"
+
+
+@torch.no_grad()
+def quantize_linears(model: LlamaForCausalLM, method: str) -> int:
+    """Replace the projections of every decoder layer of `model` (weights loaded) by `QuantizedLinear`s of
+    `method` ("int8" | "fp8"), on the weights' device; returns how many were replaced. The full-precision weights
+    are released as each layer is done."""
+    device = model.lm_head.weight.device
+    if method == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError(f"quantization: fp8 needs fp8 tensor cores (compute capability >= 8.9), {device} has "
+                          f"{torch.cuda.get_device_capability(device)}")
+    backend = linear_backend(method, model.ops.name, device)
+    count = 0
+    for layer in model.model.layers:
+        for name in QUANTIZED_PROJECTIONS:
+            parent_name, attr = name.split(".")
+            parent = layer.get_submodule(parent_name)
+            linear = getattr(parent, attr)
+            assert isinstance(linear, nn.Linear), f"{name} is {type(linear).__name__}, not nn.Linear"
+            setattr(parent, attr, QuantizedLinear.from_linear(linear, method, backend))
+            count += 1
+    if device.type == "cuda":
+        # The bf16 weights' memory goes back to the device: the KV pool is sized from what this process holds.
+        torch.cuda.empty_cache()
+    return count
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as held in memory: parameters and buffers (quantized codes, scales), shared
+    tensors once, plus the oneDNN-packed copies `pack_linears` keeps beside the CPU's fp32 linears (opaque tensors:
+    counted by their logical size)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    packed: list[torch.Tensor] = [w for w in (getattr(m, "packed_weight", None) for m in model.modules())
+                                  if isinstance(w, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in [*tensors.values(), *packed])
