@@ -2,6 +2,8 @@
 
     python -m tandem.benchmarks.gpu_engine correctness --out DIR
     python -m tandem.benchmarks.gpu_engine decode-latency --out DIR
+    python -m tandem.benchmarks.gpu_engine decode-latency --fusions none,rope_store,add_norm,all --out DIR
+        (each set of kernel fusions alone, `tandem.kernels.ops`: decode-latency-fusions.json, with `ablation`)
     python -m tandem.benchmarks.gpu_engine offline --out DIR
     python -m tandem.benchmarks.gpu_engine hf --mode static|batch --out DIR
 
@@ -17,6 +19,7 @@ import platform
 import random
 import statistics
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import num_blocks_for
 from tandem.kernels import get_ops
+from tandem.kernels.ops import fusions_label, parse_fusions
 from tandem.models import load_model_config
 
 HBM_BYTES_PER_S = 4.25e12  # copy bandwidth measured on one H200 (PERFORMANCE guide)
@@ -117,7 +121,8 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
     max_len = max(lengths) + num_steps + 1
     prompts = random_prompts(len(lengths), max(lengths), 49152)
     prompts = [p[:n] for p, n in zip(prompts, lengths, strict=True)]
-    results: dict[str, Any] = {"model": model, "prompt_lens": lengths, "num_steps": num_steps}
+    results: dict[str, Any] = {"model": model, "prompt_lens": lengths, "num_steps": num_steps,
+                               "fusions": fusions_label(get_ops("triton").fusions)}  # $TANDEM_FUSIONS
     runners = {}
     for backend in ("torch", "triton"):
         config = engine_config(model, args.device, max_model_len=max_len + 16, max_num_seqs=8,
@@ -174,59 +179,109 @@ def kv_bytes_per_token(runner: ModelRunner) -> int:
     return 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * runner.kv_cache.tensor.element_size()
 
 
+def decode_steps(engine: Any, batch: int, context: int, num_steps: int, device: str
+                 ) -> tuple[list[float], list[list[int]]]:
+    """Seconds of each of `num_steps` decode steps of `batch` greedy requests with random `context`-token prompts
+    (after their prefill and 3 warm-up decode steps), and each request's tokens; the requests are aborted after."""
+    prompts = random_prompts(batch, context, engine.config.model.vocab_size, seed=batch)
+    params = SamplingParams(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True)
+    requests = [engine.add_request(f"b{batch}-{i}", p, params) for i, p in enumerate(prompts)]
+    while engine.scheduler.waiting:
+        engine.step()  # prefill everything first
+    for _ in range(3):
+        engine.step()  # warm-up decode steps
+    times = []
+    for _ in range(num_steps):
+        sync(device)
+        start = time.perf_counter()
+        result = engine.step()  # ends with the host sync that returns the token ids
+        times.append(time.perf_counter() - start)
+        assert not result.is_prefill and len(result.requests) == batch
+    for req_id in list(engine.requests):
+        engine.abort(req_id)
+    return times, [list(r.output_token_ids) for r in requests]
+
+
 def decode_latency(args: argparse.Namespace) -> dict[str, Any]:
+    """Decode step time vs the HBM floor per model, variant and batch. With `--fusions`, the variants are the Triton
+    path with CUDA graphs under each set of fusions (`tandem.kernels.ops`), and the result adds `ablation`: per
+    model and batch, each set's step time and fraction of the floor, against the first set's."""
     from tandem.engine.engine import Engine
 
     models = ["dummy:tiny"] if args.dry_run else args.models.split(",")
-    batches = [1, 4] if args.dry_run else [int(b) for b in args.batches.split(",")]
+    default_batches = "1,64" if args.fusions else "1,8,64,256"
+    batches = [1, 4] if args.dry_run else [int(b) for b in (args.batches or default_batches).split(",")]
     context = 32 if args.dry_run else args.context
     num_steps = 4 if args.dry_run else args.steps
-    variants = [("triton+graphs", True, True)]
-    if args.variants == "all":
-        variants += [("triton eager", True, False), ("torch eager", False, False)]
+    # (label, use_triton, use_cuda_graphs, fusions: None for the process's default)
+    variants: list[tuple[str, bool, bool, frozenset[str] | None]] = []
+    if args.fusions:
+        for spec in args.fusions.split(","):
+            fusions = parse_fusions(spec)
+            variants.append((f"triton+graphs fusions={fusions_label(fusions)}", True, True, fusions))
+    else:
+        variants.append(("triton+graphs", True, True, None))
+        if args.variants == "all":
+            variants += [("triton eager", True, False, None), ("torch eager", False, False, None)]
+    name = "decode-latency-fusions" if args.fusions else "decode-latency"
     rows = []
+    tokens: dict[tuple[str, int], list[list[int]]] = {}  # (model, batch) -> the first variant's tokens
     for model in models:
-        for label, use_triton, use_graphs in variants:
+        for label, use_triton, use_graphs, fusions in variants:
             config = engine_config(model, args.device, max_model_len=context + num_steps + 32,
                                    max_num_seqs=max(batches), use_triton=use_triton, use_cuda_graphs=use_graphs,
                                    max_num_batched_tokens=16384)
-            engine = Engine(config)
+            runner = None if fusions is None else ModelRunner(config, ops=get_ops("triton", fusions))
+            engine = Engine(config, runner)
             wbytes = weight_bytes(engine.runner)
             kvb = kv_bytes_per_token(engine.runner)
             for batch in tqdm(batches, desc=f"{model} {label}"):
-                if batch > 1 and label != "triton+graphs" and batch not in (1, 64):
+                if batch > 1 and not label.startswith("triton+graphs") and batch not in (1, 64):
                     continue
-                prompts = random_prompts(batch, context, config.model.vocab_size, seed=batch)
-                params = SamplingParams(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True)
-                for i, p in enumerate(prompts):
-                    engine.add_request(f"b{batch}-{i}", p, params)
-                while engine.scheduler.waiting:
-                    engine.step()  # prefill everything first
-                for _ in range(3):
-                    engine.step()  # warm-up decode steps
-                times = []
-                for _ in range(num_steps):
-                    sync(args.device)
-                    start = time.perf_counter()
-                    result = engine.step()  # ends with the host sync that returns the token ids
-                    times.append(time.perf_counter() - start)
-                    assert not result.is_prefill and len(result.requests) == batch
-                for req_id in list(engine.requests):
-                    engine.abort(req_id)
+                times, outputs = decode_steps(engine, batch, context, num_steps, args.device)
                 step_s = statistics.median(times)
                 mean_ctx = context + 3 + num_steps / 2
                 floor_s = (wbytes + batch * mean_ctx * kvb) / HBM_BYTES_PER_S
-                partial = args.out / "decode-latency.partial.json"  # survives a timeout
-                rows.append({"model": model, "variant": label, "batch": batch, "context": context,
-                             "step_ms": step_s * 1e3, "tok_per_s": batch / step_s, "floor_ms": floor_s * 1e3,
-                             "fraction_of_floor": floor_s / step_s,
-                             "weight_gb": wbytes / 1e9, "kv_gb_per_step": batch * mean_ctx * kvb / 1e9})
+                partial = args.out / f"{name}.partial.json"  # survives a timeout
+                row = {"model": model, "variant": label, "batch": batch, "context": context,
+                       "step_ms": step_s * 1e3, "tok_per_s": batch / step_s, "floor_ms": floor_s * 1e3,
+                       "fraction_of_floor": floor_s / step_s,
+                       "weight_gb": wbytes / 1e9, "kv_gb_per_step": batch * mean_ctx * kvb / 1e9}
+                if fusions is not None:
+                    # The fusions change launches, not arithmetic: every set must give the first set's tokens.
+                    row["fusions"] = fusions_label(fusions)
+                    row["same_tokens_as_first"] = tokens.setdefault((model, batch), outputs) == outputs
+                rows.append(row)
                 args.out.mkdir(parents=True, exist_ok=True)
                 partial.write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1))
                 print(rows[-1], flush=True)
-            del engine
+            del engine, runner
             free_memory()
-    return {"rows": rows}
+    result: dict[str, Any] = {"rows": rows}
+    if args.fusions:
+        result["ablation"] = fusion_ablation(rows)
+    return result
+
+
+def fusion_ablation(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model and batch: each fusion set's step time and fraction of the floor, and its time saved against the
+    first set measured (the baseline: put "none" first)."""
+    table = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for batch in dict.fromkeys(r["batch"] for r in rows if r["model"] == model):
+            group = [r for r in rows if r["model"] == model and r["batch"] == batch]
+            base = group[0]
+            table.append({
+                "model": model, "batch": batch, "baseline": base["fusions"],
+                "all_same_tokens": all(r["same_tokens_as_first"] for r in group),
+                "by_fusions": {r["fusions"]: {
+                    "step_ms": round(r["step_ms"], 4),
+                    "percent_of_floor": round(100 * r["fraction_of_floor"], 2),
+                    "ms_saved_vs_baseline": round(base["step_ms"] - r["step_ms"], 4),
+                    "percent_faster_vs_baseline": round(100 * (base["step_ms"] / r["step_ms"] - 1), 2),
+                } for r in group},
+            })
+    return table
 
 
 # -- where a decode step's time goes -------------------------------------------------------------------------
@@ -238,10 +293,12 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     from tandem.engine.engine import Engine
 
     model = "dummy:tiny" if args.dry_run else args.model
-    batch = 2 if args.dry_run else int(args.batches.split(",")[0])
+    batch = 2 if args.dry_run else int((args.batches or "1").split(",")[0])
     context = 32 if args.dry_run else args.context
     num_steps = 3 if args.dry_run else 20
     config = engine_config(model, args.device, max_model_len=context + num_steps + 64, max_num_seqs=max(batch, 8))
+    if args.quantization:  # the profile of a quantized model's step (`--quantization int8|fp8`)
+        config = replace(config, model=replace(config.model, quantization=args.quantization))
     engine = Engine(config)
     params = SamplingParams(max_tokens=num_steps + 16, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(random_prompts(batch, context, config.model.vocab_size)):
@@ -260,8 +317,9 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     wall_ms = (time.perf_counter() - start) / num_steps * 1e3
     sort_key = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort_key, row_limit=25)
-    (args.out / "profile.txt").parent.mkdir(parents=True, exist_ok=True)
-    (args.out / "profile.txt").write_text(table)
+    name = f"profile-{args.quantization}.txt" if args.quantization else "profile.txt"
+    (args.out / name).parent.mkdir(parents=True, exist_ok=True)
+    (args.out / name).write_text(table)
     events = prof.key_averages()
     device_us = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / num_steps
     return {"model": model, "batch": batch, "context": context, "steps": num_steps,
@@ -362,10 +420,16 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="CPU, dummy:tiny, a few steps")
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
     parser.add_argument("--models", default="dummy:llama-3.1-8b,dummy:llama-3.2-1b")
-    parser.add_argument("--batches", default="1,8,64,256")
+    parser.add_argument("--batches", default=None, help="decode-latency: 1,8,64,256 (1,64 with --fusions); "
+                        "profile: its first")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--variants", choices=["main", "all"], default="all")
+    parser.add_argument("--fusions", default=None,
+                        help="decode-latency: compare these sets of fusions instead of the variants, each 'all', "
+                             "'none' or names joined by '+' (rope_store, add_norm; opt-in attn_combine), the first "
+                             "the baseline: e.g. none,rope_store,add_norm,all,all+attn_combine; writes "
+                             "decode-latency-fusions.json. (Other commands: $TANDEM_FUSIONS.)")
     parser.add_argument("--logit-tolerance", type=float, default=0.25,
                         help="largest |logit difference| accepted between the bf16 kernel and reference paths")
     parser.add_argument("--num-requests", type=int, default=256)
@@ -374,6 +438,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--mode", choices=["static", "batch"], default="static")
+    parser.add_argument("--quantization", default=None, help="profile: int8 or fp8 weights")
     parser.add_argument("--hf-batch", type=int, default=64)
     args = parser.parse_args()
     args.device = "cpu" if args.dry_run else "cuda"
@@ -390,8 +455,14 @@ def main() -> None:
               "result": result}
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = f"-{args.mode}" if args.command == "hf" else ""
+    if args.command == "decode-latency" and args.fusions:
+        suffix = "-fusions"
+    if args.command == "profile" and args.quantization:
+        suffix = f"-{args.quantization}"
     (args.out / f"{args.command}{suffix}.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(result, indent=1)[:3000])
+    if "ablation" in result:
+        print(json.dumps(result["ablation"], indent=1))
 
 
 if __name__ == "__main__":

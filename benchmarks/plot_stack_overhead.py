@@ -1,4 +1,5 @@
-"""Plot the stack's output tokens/s as a share of the engine's, one bar per `stack_overhead` JSON.
+"""Plot the stack's output tokens/s as a share of the engine's, one bar per `stack_overhead` JSON (with the
+gateway's CPU per output token and its number of processes, where the JSON has them).
 
     python -m tandem.benchmarks.plot_stack_overhead OUT.png A.json B.json ...
 """
@@ -27,9 +28,13 @@ def main() -> None:
     ax.barh(range(len(reports)), shares, color="tab:blue", alpha=0.7)
     for i, values in enumerate(runs):
         ax.plot(values, [i] * len(values), "k.", label="single runs" if i == 0 else None)
-        ax.text(max(values + [shares[i]]) + 1.5, i, f"{shares[i]:.0f}%", va="center")
+        gateway = ""
+        if reports[i].get("gateway_cpu_us_per_output_token") is not None:
+            gateway = (f"  gateway {reports[i]['gateway_cpu_us_per_output_token']:.0f} µs/token, "
+                       f"×{reports[i].get('gateway_workers', 1)}")
+        ax.text(max(values + [shares[i]]) + 1.5, i, f"{shares[i]:.0f}%{gateway}", va="center", fontsize=8)
     ax.axvline(90, color="tab:red", linestyle="--", label="target on a GPU (90%)")
-    ax.set(yticks=range(len(reports)), yticklabels=labels, xlim=(0, 105),
+    ax.set(yticks=range(len(reports)), yticklabels=labels, xlim=(0, 140),
            xlabel="stack output tok/s, % of the offline engine's", title=reports[0]["args"]["model"] + " on "
            + reports[0]["args"]["device"] + f", {reports[0]['args']['num_requests']} requests in one burst")
     ax.title.set_fontsize(10)

@@ -135,7 +135,8 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
         quantization, kv_cache_dtype = VARIANTS[variant]
         llm = LLM(model, device=args.device, max_model_len=prompt_len + max_tokens + 16,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+                  quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                  enable_chunked_prefill=not args.no_chunked_prefill)
         prompts = random_prompts(num, prompt_len, llm.config.model.vocab_size)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
@@ -154,7 +155,8 @@ def offline(args: argparse.Namespace) -> dict[str, Any]:
     base = next((r["output_tok_per_s"] for r in rows if r["variant"] == "bf16"), None)
     for row in rows:
         row["speedup_vs_bf16"] = row["output_tok_per_s"] / base if base else None
-    return {"rows": rows, "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    return {"rows": rows, "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "enable_chunked_prefill": not args.no_chunked_prefill}
 
 
 # -- CPU: SmolLM2-135M, fp32 (oneDNN) vs int8 (torch._weight_int8pack_mm) ---------------------------------------
@@ -225,6 +227,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--no-chunked-prefill", action="store_true",
+                        help="offline: whole prompts in steps of their own (the budget must hold the longest)")
     parser.add_argument("--cpu-model", default="smollm2-135m")
     parser.add_argument("--cpu-batches", default="1,16")
     parser.add_argument("--cpu-context", type=int, default=128, help="cpu: prompt tokens of each decoding request")

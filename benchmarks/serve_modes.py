@@ -15,13 +15,16 @@ the stack's first-request TTFT (cold) against the steady-state median, and print
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,36 @@ def stack_command(mode: str, model: str, device: str, port: int, http_port: int,
     if mode.startswith("split:"):
         return command + ["--prefill", "1", "--gpu-split", mode.removeprefix("split:")]
     raise SystemExit(f"--mode: colocated, disagg or split:P, got {mode!r}")
+
+
+@contextlib.contextmanager
+def running_stack(mode: str, model: str, device: str, max_num_seqs: int, extra_args: list[str],
+                  out: Path) -> Iterator[tuple[str, float]]:
+    """`tandem up` in `mode` with `extra_args`, its log beside `out`; yields (gateway address, start-up seconds)
+    once it is serving, and stops it (SIGTERM) afterwards."""
+    port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    status = Path(tempfile.mkdtemp(prefix="tandem-serve-")) / "status.json"
+    log = out.with_suffix(".stack.log")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as log_file:
+        stack = subprocess.Popen(stack_command(mode, model, device, port, http_port, status, max_num_seqs)
+                                 + extra_args,
+                                 stdout=log_file, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        started = time.monotonic()
+        while not status.exists():
+            if stack.poll() is not None:
+                raise SystemExit(f"the stack exited with {stack.returncode}; see {log}")
+            if time.monotonic() - started > 600:
+                raise SystemExit(f"the stack did not start in 600 s; see {log}")
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}", time.monotonic() - started
+    finally:
+        stack.send_signal(signal.SIGTERM)
+        try:
+            stack.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            stack.kill()
 
 
 def first_request_ttft(address: str, prompt_len: int, repeats: int = 5) -> dict[str, float]:
@@ -74,41 +107,24 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--ttft-slo", type=float, default=0.2)
     parser.add_argument("--tpot-slo", type=float, default=0.05)
+    parser.add_argument("--stack-args", default="",
+                        help="more `tandem up` flags, e.g. '--no-chunked-prefill' or '--quantization fp8'")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
     from tandem.benchmarks.serve import run
 
-    port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
-    status = Path(tempfile.mkdtemp(prefix="tandem-serve-")) / "status.json"
-    log = args.out.with_suffix(".stack.log")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as log_file:
-        stack = subprocess.Popen(stack_command(args.mode, args.model, args.device, port, http_port, status,
-                                               args.max_num_seqs),
-                                 stdout=log_file, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
-        started = time.monotonic()
-        while not status.exists():
-            if stack.poll() is not None:
-                raise SystemExit(f"the stack exited with {stack.returncode}; see {log}")
-            if time.monotonic() - started > 600:
-                raise SystemExit(f"the stack did not start in 600 s; see {log}")
-            time.sleep(0.5)
-        startup_s = time.monotonic() - started
-        address = f"127.0.0.1:{port}"
+    command_args = shlex.split(args.stack_args)
+    with running_stack(args.mode, args.model, args.device, args.max_num_seqs, command_args, args.out) as (address,
+                                                                                                        startup_s):
         prompt_tokens = int(args.prompt_len.split(":")[1])
         cold = first_request_ttft(address, prompt_tokens)
         results = run(address, [float(r) for r in args.rates.split(",")], args.num_requests, args.prompt_len,
-                      args.output_len, args.ttft_slo, args.tpot_slo, 0, 600.0, None, None, args.mode)
-    finally:
-        stack.send_signal(signal.SIGTERM)
-        try:
-            stack.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            stack.kill()
+                      args.output_len, args.ttft_slo, args.tpot_slo, 0, 600.0, None, None,
+                      f"{args.mode} {args.stack_args}".strip())
     report: dict[str, Any] = {
-        "benchmark": "serve_modes", "mode": args.mode, "model": args.model, "device": args.device,
+        "benchmark": "serve_modes", "mode": args.mode, "stack_args": command_args, "model": args.model,
+        "device": args.device,
         "prompt_len": args.prompt_len, "output_len": args.output_len, "num_requests": args.num_requests,
         "ttft_slo_s": args.ttft_slo, "tpot_slo_s": args.tpot_slo, "stack_startup_s": startup_s,
         "first_request": cold, "results": results}

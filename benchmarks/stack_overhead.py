@@ -4,12 +4,21 @@
         --prompt-len fixed:32 --output-len fixed:128 --out benchmarks/results/stack-overhead-cpu.json
 
 The engine runs the requests through `LLM.generate` (one process, no transport); the stack is started
-with `tandem up` (1 prefill, 1 decode, the gateway) and gets the same requests as one burst through the
-public gRPC API (`tandem bench serve`'s client). Both ignore EOS, so both generate exactly the same
-tokens. Reported: output tokens/s of each, the stack's share of the engine's (the issue's target on a
-GPU: >= 90%), and each service's CPU time per output token (event-loop thread and process), which tells
-how fast an engine each could keep up with. `--repeat` interleaves runs and reports medians (timing on a
-shared machine is noisy).
+with `tandem up` (1 prefill, 1 decode, the gateway with `--gateway-workers` processes, by default `tandem up`'s)
+and gets the same requests as one burst through the public gRPC API (`tandem bench serve`'s client). Both ignore
+EOS, so both generate exactly the same tokens. Reported: output tokens/s of each, the stack's share of the
+engine's (the issue's target on a GPU: >= 90%), and each service's CPU time per output token (its processes
+together, and their event-loop threads), which tells how fast an engine each could keep up with; the gateway's
+is printed on its own line and kept as `gateway_cpu_us_per_output_token` (median of the runs). `--repeat`
+interleaves runs and reports medians (timing on a shared machine is noisy).
+
+The gateway alone, at the rate of an engine faster than this machine's (what decides a GPU stack's share):
+
+    python -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 --num-requests 256 --output-len fixed:128
+
+runs `tandem gateway --workers N` over a decode worker with no engine (`FakeDecode`, in this process): every
+step it adds a token to each running request and, as a real worker's writer does, sends what accumulated since its
+last message. Reported: the gateway's output tokens/s and its CPU per output token.
 """
 
 from __future__ import annotations
@@ -20,7 +29,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -31,7 +44,16 @@ import torch
 import tandem
 from tandem import LLM, SamplingParams
 from tandem.benchmarks.serve import LengthDist, run_rate, workload
-from tandem.launcher import Stack, StackOptions, free_port
+from tandem.gateway.workers import default_num_workers
+from tandem.launcher import Stack, StackOptions, free_port, is_serving
+from tandem.models import load_model_config, load_tokenizer
+from tandem.serving.rpc import start_server
+from tandem.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
+# What the fake decode worker "generates" (token ids of it, in a loop): text as a model writes it.
+_FAKE_TEXT = ("Disaggregated serving splits prompt processing and generation into pools that scale on their own. "
+              "The gateway tokenizes, routes and streams text back to clients — «quickly», even with accents, "
+              "emoji 🙂 and numbers like 3.14159 or 2,048. ")
 
 
 def run_engine(llm: LLM, requests: list[tuple[list[int], int]]) -> dict[str, float]:
@@ -59,22 +81,163 @@ def cpu_seconds(pid: int) -> dict[str, float]:
         return {}
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (a gateway's worker processes), from Linux /proc (elsewhere: `pid`)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return [pid]
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
 def run_stack(stack: Stack, address: str, args: argparse.Namespace) -> dict[str, Any]:
     """One burst through the stack; with each service's CPU microseconds per output token (its event-loop
-    thread, and the whole process), which say which service would fall behind a faster engine first."""
-    pids = {s.role: s.process.pid for s in stack.services if s.process is not None}
-    before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    threads, and its processes: all of a gateway's), which say which service would fall behind a faster engine
+    first."""
+    trees = {s.role: process_tree(s.process.pid) for s in stack.services if s.process is not None}
+    before = {role: {pid: cpu_seconds(pid) for pid in pids} for role, pids in trees.items()}
     result = asyncio.run(run_rate(address, float("inf"), args.num_requests, LengthDist.parse(args.prompt_len),
                                   LengthDist.parse(args.output_len), args.seed, timeout=args.timeout))
-    after = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    after = {role: {pid: cpu_seconds(pid) for pid in pids} for role, pids in trees.items()}
     result.pop("records")
     if result["errors"]:
         raise RuntimeError(f"the stack failed requests: {result['errors']}")
     num_tokens = result["output_tok_per_s"] * result["duration_s"]
-    result["cpu_us_per_output_token"] = {
-        role: {part: (after[role][part] - before[role][part]) / num_tokens * 1e6 for part in after[role]}
-        for role in pids}
+
+    def used(role: str, part: str) -> float:
+        return sum(after[role][pid][part] - before[role][pid][part] for pid in trees[role]
+                   if part in before[role][pid] and part in after[role][pid])
+
+    result["cpu_us_per_output_token"] = {role: {part: used(role, part) / num_tokens * 1e6
+                                                for part in ("event_loop", "process")}
+                                         for role in trees if any(before[role].values())}
+    result["num_processes"] = {role: len(pids) for role, pids in trees.items()}
     return result
+
+
+# -- the gateway alone -----------------------------------------------------------------------------------------
+class FakeDecode(worker_pb2_grpc.DecodeServicer):
+    """A decode worker with no engine (`--fake-decode-step-ms`): every step it adds one token to each running request
+    of a session, and its writer sends everything that accumulated since its last message, as
+    `tandem.decode_svc.sessions` does, so that a gateway that lags gets fewer, larger messages."""
+
+    def __init__(self, model: str, step_s: float, max_model_len: int) -> None:
+        config = load_model_config(model)
+        self.step_s = step_s
+        self.text_ids = load_tokenizer(config).encode(_FAKE_TEXT)
+        self.info = worker_pb2.WorkerInfo(role="decode", model=model, layout=worker_pb2.KVLayout(
+            model_fingerprint="fake"), num_free_blocks=1 << 20, num_total_blocks=1 << 20, max_model_len=max_model_len,
+            vocab_size=config.vocab_size)
+
+    async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        return self.info
+
+    async def Session(self, requests: AsyncIterator[worker_pb2.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.SessionResponse]:
+        running: dict[str, list[int]] = {}  # request id → [tokens sent, max_tokens]
+        pending = worker_pb2.SessionResponse()
+        ready, busy = asyncio.Event(), asyncio.Event()
+
+        async def read() -> None:
+            async for message in requests:
+                if message.WhichOneof("kind") == "start":
+                    request = message.start.request
+                    running[request.request_id] = [len(request.output_token_ids), request.sampling.max_tokens]
+                    busy.set()
+                else:
+                    running.pop(message.cancel.request_id, None)
+
+        async def step() -> None:
+            while True:
+                if not running:
+                    busy.clear()
+                    await busy.wait()
+                await asyncio.sleep(self.step_s)
+                for request_id, state in list(running.items()):
+                    update = pending.updates.add(request_id=request_id)
+                    update.response.token_ids.append(self.text_ids[state[0] % len(self.text_ids)])
+                    update.response.logprobs.append(-1.0)
+                    state[0] += 1
+                    if state[0] >= state[1]:
+                        update.response.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+                        del running[request_id]
+                ready.set()
+
+        tasks = [asyncio.ensure_future(read()), asyncio.ensure_future(step())]
+        try:
+            while True:
+                await ready.wait()
+                ready.clear()
+                message, pending = pending, worker_pb2.SessionResponse()
+                yield message
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+async def run_gateway_only(args: argparse.Namespace, gateway_workers: int) -> list[dict[str, Any]]:
+    """`--repeat` bursts through `tandem gateway --workers N` over a `FakeDecode` (both served from this event loop
+    and the load generator's), each with the gateway's CPU per output token."""
+    fake = FakeDecode(args.model, args.fake_decode_step_ms / 1e3, args.max_model_len)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        worker_pb2_grpc.add_DecodeServicer_to_server(fake, server)
+        return ["tandem.v1.Decode"]
+
+    server, decode_port, _ = await start_server("127.0.0.1:0", register)
+    port = free_port("127.0.0.1")
+    log = tempfile.NamedTemporaryFile(prefix="tandem-gateway-", suffix=".log", delete=False)  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "gateway", "--model", args.model, "--decode", f"127.0.0.1:{decode_port}",
+         "--port", str(port), "--http-port", str(free_port("127.0.0.1")), "--max-model-len", str(args.max_model_len),
+         "--workers", str(gateway_workers)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    address = f"127.0.0.1:{port}"
+    runs: list[dict[str, Any]] = []
+    try:
+        while not await asyncio.to_thread(is_serving, address):
+            if process.poll() is not None:
+                raise RuntimeError(f"the gateway exited with {process.returncode}; see {log.name}")
+            await asyncio.sleep(0.2)
+        prompts, outputs = LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len)
+        await run_rate(address, float("inf"), 8, prompts, outputs, args.seed, timeout=args.timeout)  # warm-up
+        for i in range(args.repeat):
+            pids = process_tree(process.pid)
+            before = {pid: cpu_seconds(pid) for pid in pids}
+            result = await run_rate(address, float("inf"), args.num_requests, prompts, outputs, args.seed,
+                                    timeout=args.timeout)
+            after = {pid: cpu_seconds(pid) for pid in pids}
+            result.pop("records")
+            if result["errors"]:
+                raise RuntimeError(f"the gateway failed requests: {result['errors']}")
+            num_tokens = result["output_tok_per_s"] * result["duration_s"]
+            result["cpu_us_per_output_token"] = {"gateway": {
+                part: sum(after[pid][part] - before[pid][part] for pid in pids
+                          if part in before[pid] and part in after[pid]) / num_tokens * 1e6
+                for part in ("event_loop", "process")}}
+            result["num_processes"] = {"gateway": len(pids)}
+            runs.append(result)
+            print(f"run {i + 1}/{args.repeat}: gateway {result['output_tok_per_s']:,.0f} tok/s, "
+                  f"{result['cpu_us_per_output_token']['gateway']['process']:.1f} µs CPU per output token",
+                  flush=True)
+    finally:
+        process.terminate()
+        await asyncio.to_thread(process.wait)
+        await server.stop(0)
+        log.close()
+    return runs
 
 
 def main() -> None:
@@ -87,19 +250,30 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads of the engine and of each worker")
+    parser.add_argument("--gateway-workers", type=int, default=None,
+                        help="gateway processes (`tandem up --gateway-workers`); default: tandem up's, one per 4 "
+                             f"CPUs between 1 and 4 (here: {default_num_workers()})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--repeat", type=int, default=1, help="interleaved runs of each; medians reported")
     parser.add_argument("--label", default="", help="what this run measures (e.g. the commit or variant)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--fake-decode-step-ms", type=float, default=None,
+                        help="measure the gateway alone, over a decode worker with no engine that makes a step (a "
+                             "token for every running request) this often; no prefill worker, no engine run")
     args = parser.parse_args()
+    if args.fake_decode_step_ms is not None:
+        gateway_only(args)
+        return
 
     requests = list(workload(args.num_requests, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len),
                              args.seed))
     port = free_port("127.0.0.1")
+    gateway_workers = args.gateway_workers or default_num_workers()
     stack = Stack(StackOptions(model=args.model, device=args.device, gateway_port=port,
                                gateway_http_port=free_port("127.0.0.1"), max_model_len=args.max_model_len,
-                               max_num_seqs=args.max_num_seqs, threads=args.threads))
+                               max_num_seqs=args.max_num_seqs, threads=args.threads,
+                               gateway_workers=gateway_workers))
     engine_runs: list[dict[str, float]] = []
     stack_runs: list[dict[str, Any]] = []
     stack.start()
@@ -117,6 +291,8 @@ def main() -> None:
         stack.stop()
     engine_tps = statistics.median(r["output_tok_per_s"] for r in engine_runs)
     stack_tps = statistics.median(r["output_tok_per_s"] for r in stack_runs)
+    gateway_cpu = [r["cpu_us_per_output_token"]["gateway"] for r in stack_runs
+                   if "gateway" in r["cpu_us_per_output_token"]]
     report = {
         "benchmark": "stack_overhead", "label": args.label, "date": datetime.now(timezone.utc).isoformat(),
         "args": {k: str(v) for k, v in vars(args).items()},
@@ -125,7 +301,13 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "engine": engine_runs, "stack": stack_runs,
         "engine_output_tok_per_s": engine_tps, "stack_output_tok_per_s": stack_tps,
-        "stack_share_of_engine": stack_tps / engine_tps,
+        "stack_share_of_engine": stack_tps / engine_tps, "gateway_workers": gateway_workers,
+        # All the gateway's processes together (with N > 1: N gateways, their supervisor, multiprocessing's resource
+        # tracker), and their main (event-loop) threads.
+        "gateway_cpu_us_per_output_token": statistics.median(c["process"] for c in gateway_cpu) if gateway_cpu
+        else None,
+        "gateway_event_loop_cpu_us_per_output_token": statistics.median(c["event_loop"] for c in gateway_cpu)
+        if gateway_cpu else None,
     }
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -133,11 +315,37 @@ def main() -> None:
     print(f"{'':<8}{'output tok/s':>14}")
     print(f"{'engine':<8}{engine_tps:>14,.0f}")
     print(f"{'stack':<8}{stack_tps:>14,.0f}   {stack_tps / engine_tps:.0%} of the engine")
+    if gateway_cpu:
+        print(f"gateway CPU per output token: {report['gateway_cpu_us_per_output_token']:.1f} µs "
+              f"({gateway_workers} gateway process{'es' if gateway_workers > 1 else ''}; event loops "
+              f"{report['gateway_event_loop_cpu_us_per_output_token']:.1f} µs; median of {len(gateway_cpu)})")
     cpu = stack_runs[-1]["cpu_us_per_output_token"]
     if any(cpu.values()):
         print("CPU µs per output token (last run): " + ", ".join(
             f"{role} {parts['event_loop']:.0f} event loop / {parts['process']:.0f} process"
             for role, parts in cpu.items() if parts))
+
+
+def gateway_only(args: argparse.Namespace) -> None:
+    gateway_workers = args.gateway_workers or default_num_workers()
+    runs = asyncio.run(run_gateway_only(args, gateway_workers))
+    cpu = [r["cpu_us_per_output_token"]["gateway"] for r in runs]
+    report = {
+        "benchmark": "stack_overhead", "mode": "gateway_only", "label": args.label,
+        "date": datetime.now(timezone.utc).isoformat(), "args": {k: str(v) for k, v in vars(args).items()},
+        "versions": {"tandem": tandem.__version__, "grpcio": grpc.__version__, "python": platform.python_version()},
+        "machine": platform.processor() or platform.machine(), "gateway_workers": gateway_workers, "stack": runs,
+        "stack_output_tok_per_s": statistics.median(r["output_tok_per_s"] for r in runs),
+        "gateway_cpu_us_per_output_token": statistics.median(c["process"] for c in cpu),
+        "gateway_event_loop_cpu_us_per_output_token": statistics.median(c["event_loop"] for c in cpu),
+    }
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"gateway alone ({gateway_workers} process{'es' if gateway_workers > 1 else ''}, a fake decode step every "
+          f"{args.fake_decode_step_ms:g} ms): {report['stack_output_tok_per_s']:,.0f} output tok/s, "
+          f"{report['gateway_cpu_us_per_output_token']:.1f} µs CPU per output token (event loops "
+          f"{report['gateway_event_loop_cpu_us_per_output_token']:.1f} µs; median of {len(runs)})")
 
 
 if __name__ == "__main__":

@@ -184,6 +184,10 @@ class KVPuller:
                 # The gateway pairs by fingerprint, so this is a misconfiguration; serve the request anyway.
                 log.error("prefill at %s refused %s: %s; prefilling locally", address, req_id, typed)
                 reason = "transfer_refused"
+            elif isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAUTHENTICATED:
+                # Not the stack's internal token (a misconfiguration, not the client's doing): serve it anyway.
+                log.error("prefill at %s refused this worker: %s; prefilling locally", address, error.details())
+                reason = "transfer_refused"
             elif isinstance(typed, KVTransportError) or (isinstance(error, grpc.aio.AioRpcError)
                                                          and is_peer_failure(error)):
                 log.warning("prefill at %s failed for %s (%s); prefilling locally", address, req_id, error)

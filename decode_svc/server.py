@@ -27,12 +27,14 @@ from tandem.v1 import worker_pb2_grpc
 
 def create_servicer(engine: AsyncEngine, model_name: str, *, kv_transport: str = "auto", max_queued: int = 1024,
                     tls: TlsConfig | None = None, tracer: trace.Tracer | None = None,
-                    is_known_peer: Callable[[str], Awaitable[bool]] | None = None) -> DecodeServicer:
+                    is_known_peer: Callable[[str], Awaitable[bool]] | None = None,
+                    internal_token: str | None = None) -> DecodeServicer:
     """The decode service's parts, wired: the KV puller (its channels use `tls`, this worker's certificate, for
-    mutual TLS to prefill workers; it dials only peers `is_known_peer` accepts, any if None), the request runner,
-    the servicer. `tracer`: the process-wide one unless given (tests host several services in one process)."""
+    mutual TLS to prefill workers, and carry the stack's `internal_token`; it dials only peers `is_known_peer`
+    accepts, any if None: `serve` always gives it), the request runner, the servicer. `tracer`: the process-wide
+    one unless given (tests host several services in one process)."""
     traces = DecodeTraces(tracer or get_tracer("decode"))
-    puller = KVPuller(engine, ChannelPool(tls), traces, kv_transport, is_known_peer)
+    puller = KVPuller(engine, ChannelPool(tls, internal_token), traces, kv_transport, is_known_peer)
     return DecodeServicer(engine, model_name, RequestRunner(engine, puller, traces, max_queued))
 
 
@@ -52,7 +54,10 @@ class PrefillPeers:
 
 async def serve(service: ServiceOptions, config: EngineConfig, model_name: str, kv_transport: str = "auto",
                 max_queued: int = 1024, prefill_peers: Sequence[str] = (),
-                speculative: SpeculativeConfig | None = None) -> None:
+                speculative: SpeculativeConfig | None = None,
+                on_started: Callable[[str, int], None] | None = None, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM (or `stop`, for a worker run inside a test), pulling prompts' pages only from the
+    prefill workers in `prefill_peers` or in the registry, with the stack's internal token when it has one."""
     engine = start_engine(config, "decode", speculative)
     registry = RedisRegistry(service.redis_url) if service.redis_url else None
     if registry is not None:
@@ -65,10 +70,12 @@ async def serve(service: ServiceOptions, config: EngineConfig, model_name: str, 
         if result.num_draft_tokens:
             metrics.SPEC_DRAFT_TOKENS.inc(result.num_draft_tokens)
             metrics.SPEC_ACCEPTED_TOKENS.inc(result.num_accepted_tokens)
+        if result.num_draft_prompt_tokens:
+            metrics.SPEC_DRAFT_PROMPT_TOKENS.inc(result.num_draft_prompt_tokens)
 
     engine.on_step = on_step
     servicer = create_servicer(engine, model_name, kv_transport=kv_transport, max_queued=max_queued, tls=service.tls,
-                               is_known_peer=peers.is_known)
+                               is_known_peer=peers.is_known, internal_token=service.internal_token)
     worker_id = new_worker_id("decode")
     # Warm start: learn the configured prefill workers and have them map this worker's pool now.
     connecting = [asyncio.create_task(servicer.runner.puller.connect(address)) for address in prefill_peers]
@@ -86,4 +93,4 @@ async def serve(service: ServiceOptions, config: EngineConfig, model_name: str, 
         engine.close()
 
     await run_service(service, add, lambda address: worker_record(engine, "decode", model_name, worker_id, address),
-                      cleanup=cleanup, on_drain=servicer.drain)
+                      cleanup=cleanup, on_drain=servicer.drain, on_started=on_started, stop=stop)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 from collections.abc import AsyncGenerator, Awaitable, Iterator
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
 from starlette.types import Receive, Scope, Send
 
 from tandem.common.errors import TandemError
@@ -41,6 +42,7 @@ from tandem.gateway.openai_protocol import (
     usage,
 )
 from tandem.gateway.router import Completion, Router
+from tandem.gateway.workers import METRICS_DIR_ENV
 from tandem.serving.telemetry import ending, extract_context, record_error
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,9 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 # (choice index, new token ids, new text, the choice's progress so far)
 _Event = tuple[int, list[int], str, Completion]
+# What one wake-up brings: every choice's chunk that came since the last one (a single choice: all its tokens that
+# came, in one chunk). The stream writes them to the client at once.
+_Events = list[_Event]
 
 # Tokens whose logprobs a non-streamed reply renders on the event loop at most (~20 ms for 8192 on the 2-core
 # CPU host; 128 choices of them would be seconds).
@@ -168,9 +173,20 @@ def create_app(router: Router, api_keys: ApiKeys | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(_metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _metrics_text() -> bytes:
+    """This process's metrics; under `tandem gateway --workers N` (prometheus_client's multiprocess mode, which
+    `PROMETHEUS_MULTIPROC_DIR` turns on) those of all N processes, whichever of them answers: counters and
+    histograms summed, gauges one series per process (`pid` label)."""
+    if os.environ.get(METRICS_DIR_ENV):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
+    return generate_latest()
 
 
 def _model_card(router: Router) -> dict[str, Any]:
@@ -199,18 +215,19 @@ async def _respond(router: Router, request: Request, endpoint: _Endpoint, header
         try:
             first = await anext(events)
         except StopAsyncIteration:  # no choices: cannot happen (n >= 1, prompts non-empty)
-            first = None
+            first = []
     return _EventStream(_sse(router, endpoint, header, choices, first, events), events)
 
 
-async def _collect(events: AsyncGenerator[_Event, None],
+async def _collect(events: AsyncGenerator[_Events, None],
                    endpoint: _Endpoint) -> dict[int, Completion]:
     finals: dict[int, Completion] = {}
     with openai_params(endpoint.renames):
         async with contextlib.aclosing(events):
-            async for index, _, _, progress in events:
-                if progress.finish_reason is not None:
-                    finals[index] = progress
+            async for batch in events:
+                for index, _, _, progress in batch:
+                    if progress.finish_reason is not None:
+                        finals[index] = progress
     return finals
 
 
@@ -247,14 +264,18 @@ def _usage(choices: list[_Choice], finals: dict[int, Completion]) -> dict[str, A
 
 
 async def _sse(router: Router, endpoint: _Endpoint, header: ResponseHeader, choices: list[_Choice],
-               first: _Event | None,
-               events: AsyncGenerator[_Event, None]) -> AsyncGenerator[str, None]:
-    """Server-sent events: a chunk per decode message that adds text, `[DONE]` at the end. An error
-    after the first chunk is sent as an `error` event (the status line has gone already)."""
+               first: _Events, events: AsyncGenerator[_Events, None]) -> AsyncGenerator[str, None]:
+    """Server-sent events: a chunk per choice per wake-up that adds text, written to the client together (one
+    write per wake-up, however many tokens and choices it carries); `[DONE]` at the end. An error after the first
+    chunk is sent as an `error` event (the status line has gone already)."""
     tokenizer = router.model.tokenizer
-    extra = {"usage": None} if endpoint.include_usage else {}
     started: set[int] = set()
     finals: dict[int, Completion] = {}
+    # Every chunk repeats the response's header (and `"usage": null` with include_usage): rendered once, here.
+    extra = {"usage": None} if endpoint.include_usage else {}
+    head = ",".join(f"{_dumps(key)}:{_dumps(value)}" for key, value in header.body([]).items() if key != "choices")
+    prefix = "data: {" + head + ',"choices":['
+    suffix = "]" + "".join(f",{_dumps(key)}:{_dumps(value)}" for key, value in extra.items()) + "}\n\n"
 
     def chunk(index: int, new_ids: list[int], text: str, progress: Completion) -> str | None:
         is_first = index not in started
@@ -266,16 +287,19 @@ async def _sse(router: Router, endpoint: _Endpoint, header: ResponseHeader, choi
         num_done = len(progress.token_ids)
         logprobs = endpoint.logprobs(tokenizer, new_ids, progress.logprobs[num_done - len(new_ids):num_done])
         body = endpoint.choice(index, text, logprobs, progress.finish_reason, final=False, first=is_first)
-        return _event(header.body([body], **extra))
+        return prefix + _dumps(body) + suffix  # = _event(header.body([body], **extra))
+
+    def chunks(batch: _Events) -> str:
+        return "".join(event for item in batch if (event := chunk(*item)) is not None)
 
     try:
         async with contextlib.aclosing(events):
             with openai_params(endpoint.renames):
-                if first is not None and (event := chunk(*first)) is not None:
-                    yield event
-                async for index, new_ids, text, progress in events:
-                    if (event := chunk(index, new_ids, text, progress)) is not None:
-                        yield event
+                if written := chunks(first):
+                    yield written
+                async for batch in events:
+                    if written := chunks(batch):
+                        yield written
         if endpoint.include_usage:
             yield _event(header.body([], usage=_usage(choices, finals)))
     except TandemError as error:
@@ -285,25 +309,47 @@ async def _sse(router: Router, endpoint: _Endpoint, header: ResponseHeader, choi
     yield "data: [DONE]\n\n"
 
 
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
 def _event(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+    return f"data: {_dumps(body)}\n\n"
 
 
 async def _generate(router: Router, request_id: str, choices: list[_Choice],
-                    span: Span) -> AsyncGenerator[_Event, None]:
-    """All choices' router streams, concurrently, merged as (choice index, new ids, new text, progress).
+                    span: Span) -> AsyncGenerator[_Events, None]:
+    """All choices' router streams, concurrently, merged as (choice index, new ids, new text, progress), in
+    batches: what came since the consumer last asked.
 
     Each choice is its own decode request, traced under `span`, which ends with this generator. Closing
     the generator (a client gone, an error in one choice) cancels every choice still running, so decode
     frees their blocks at once.
     """
     with ending(span):
-        async for event in _merged(router, request_id, choices, trace.set_span_in_context(span)):
-            yield event
+        trace_context = trace.set_span_in_context(span)
+        if len(choices) == 1:
+            events = _single(router, request_id, choices[0], trace_context)
+        else:
+            events = _merged(router, request_id, choices, trace_context)
+        async with contextlib.aclosing(events):
+            async for batch in events:
+                yield batch
+
+
+async def _single(router: Router, request_id: str, choice: _Choice,
+                  trace_context: otel_context.Context) -> AsyncGenerator[_Events, None]:
+    """One choice: its router stream read in this task (no task and queue in between: a wake-up less per
+    message); the stream takes its own concurrency slot."""
+    stream = router.stream(f"{request_id}-{choice.index}", choice.prompt_ids, choice.params,
+                           trace_context=trace_context)
+    async with contextlib.aclosing(stream):
+        async for new_ids, text, progress in stream:
+            yield [(choice.index, new_ids, text, progress)]
 
 
 async def _merged(router: Router, request_id: str, choices: list[_Choice],
-                  trace_context: otel_context.Context) -> AsyncGenerator[_Event, None]:
+                  trace_context: otel_context.Context) -> AsyncGenerator[_Events, None]:
     queue: asyncio.Queue[_Event | asyncio.Task[None]] = asyncio.Queue()
 
     async def pump(choice: _Choice) -> None:
@@ -324,14 +370,25 @@ async def _merged(router: Router, request_id: str, choices: list[_Choice],
         try:
             num_running = len(tasks)
             while num_running:
+                # Everything that came since the last batch, in order; a choice's error ends the stream after the
+                # events that came before it.
+                batch: _Events = []
                 item = await queue.get()
-                if isinstance(item, asyncio.Task):
-                    num_running -= 1
-                    error = None if item.cancelled() else item.exception()
-                    if error is not None:
-                        raise error
-                    continue
-                yield item
+                while True:
+                    if isinstance(item, asyncio.Task):
+                        num_running -= 1
+                        error = None if item.cancelled() else item.exception()
+                        if error is not None:
+                            if batch:
+                                yield batch
+                            raise error
+                    else:
+                        batch.append(item)
+                    if queue.empty():
+                        break
+                    item = queue.get_nowait()
+                if batch:
+                    yield batch
         finally:
             for task in tasks:
                 task.cancel()
@@ -350,7 +407,7 @@ class _EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncGenerator[str, None], events: AsyncGenerator[_Event, None]) -> None:
+    def __init__(self, body: AsyncGenerator[str, None], events: AsyncGenerator[_Events, None]) -> None:
         super().__init__(body, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._generators = (body, events)
 
@@ -427,11 +484,14 @@ class HttpServer:
         await self.task
 
 
-async def start_http_server(app: FastAPI, host: str, port: int, grace_s: float = 30.0) -> HttpServer:
+async def start_http_server(app: FastAPI, host: str, port: int, grace_s: float = 30.0,
+                            reuse_port: bool = False) -> HttpServer:
     """Serve `app` on host:port (0 picks a port) from the running event loop. Streams in flight get up to
-    `grace_s` to finish when stopped."""
+    `grace_s` to finish when stopped. With `reuse_port` (SO_REUSEPORT), other processes may listen on the same
+    port, and the kernel spreads the connections among them (`tandem gateway --workers N`)."""
     # Bound and listening before returning: a client that learns the port can connect at once.
-    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                reuse_port=reuse_port)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=int(grace_s))
     server = _EmbeddedServer(config)

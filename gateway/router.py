@@ -35,11 +35,11 @@ from tandem.gateway.kv_routing import (
 )
 from tandem.gateway.limits import GatewayLimits
 from tandem.gateway.prompts import PromptEncoder
-from tandem.gateway.sessions import DecodeSession, SessionEnded
+from tandem.gateway.sessions import DecodeSession, SessionChannels, SessionEnded
 from tandem.models.detokenizer import IncrementalDetokenizer
 from tandem.serving import metrics
 from tandem.serving.registry import Registry, WorkerRecord
-from tandem.serving.rpc import PEER_FAILURE_CODES, ChannelPool, TlsConfig, typed_error
+from tandem.serving.rpc import PEER_FAILURE_CODES, TlsConfig, typed_error
 from tandem.serving.telemetry import ending, get_tracer, inject_metadata
 from tandem.serving.wire import (
     finish_reason_from_proto,
@@ -87,8 +87,10 @@ class Router:
 
     def __init__(self, model: GatewayModel, registry: Registry, tracer: trace.Tracer | None = None,
                  max_concurrent_requests: int = 1024, tls: TlsConfig | None = None,
-                 limits: GatewayLimits | None = None, kv_routing: KVRoutingConfig | None = None) -> None:
-        # TLS (with this gateway's certificate, for mutual TLS) on the calls to decode workers.
+                 limits: GatewayLimits | None = None, kv_routing: KVRoutingConfig | None = None,
+                 internal_token: str | None = None) -> None:
+        # TLS (with this gateway's certificate, for mutual TLS) on the calls to decode workers, and the stack's
+        # internal token on each of them (`tandem.serving.auth`).
         self.tls = tls
         self.model = model
         self.registry = registry
@@ -101,7 +103,8 @@ class Router:
         self._encoder = PromptEncoder(model.tokenizer)
         # Which workers to send a request to: cached prefix against load, with this gateway's own placements.
         self.kv_router = KVRouter(kv_routing)
-        self._channels = ChannelPool(tls)
+        # Channels for the decode sessions only (`SessionChannels`: a fixed flow-control window).
+        self._channels = SessionChannels(tls, internal_token)
         self._sessions: dict[str, DecodeSession] = {}
         self._refused: set[str] = set()  # workers of another model, logged once each
 
@@ -398,6 +401,9 @@ def _attempt_error(code: grpc.StatusCode, details: str, error_type: str = "") ->
         return _RetryableError(typed if isinstance(typed, OverloadedError) else OverloadedError(details))
     if code in PEER_FAILURE_CODES:
         return _RetryableError(UnavailableError(details))
+    if code == grpc.StatusCode.UNAUTHENTICATED:  # the worker refused this gateway's internal token, not the client
+        log.error("a decode worker refused this gateway: %s", details)
+        return _RetryableError(UnavailableError(f"decode worker refused the gateway: {details}"))
     metrics.REQUESTS.labels(status=code.name.lower()).inc()
     if isinstance(typed, (InvalidRequestError, DeadlineExceededError)):
         return typed

@@ -31,8 +31,9 @@ class InfoProbe:
     refresh); a worker that is draining (health NOT_SERVING) counts as down, so no new request goes there. The
     record's `updated_at` is when the probe was sent (this gateway's clock): what it says was true at least then."""
 
-    def __init__(self, tls: TlsConfig | None = None) -> None:
-        self.channels = ChannelPool(tls)
+    def __init__(self, tls: TlsConfig | None = None, internal_token: str | None = None) -> None:
+        self.channels = ChannelPool(tls, internal_token)
+        self._unauthenticated: set[str] = set()  # workers that refused this gateway's internal token, logged once
 
     async def __call__(self, role: str, address: str) -> WorkerRecord | None:
         channel = self.channels.get(address)
@@ -44,7 +45,10 @@ class InfoProbe:
             if health.status != health_pb2.HealthCheckResponse.SERVING:
                 return None
             info = await stub.Info(worker_pb2.InfoRequest(), timeout=1.0)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNAUTHENTICATED and address not in self._unauthenticated:
+                self._unauthenticated.add(address)
+                log.error("%s worker %s refuses this gateway: %s", role, address, error.details())
             return None
         try:
             cache = CacheSummary.from_proto(info.prefix_cache)
@@ -83,20 +87,24 @@ def gateway_service_options(service: ServiceOptions, max_concurrent_requests: in
 async def serve(service: ServiceOptions, model: str, prefill: Sequence[str], decode: Sequence[str],
                 max_model_len: int | None = None, *, max_concurrent_requests: int = 1024,
                 api_keys: frozenset[str] = frozenset(), limits: GatewayLimits | None = None,
-                on_started: Callable[[str, int], None] | None = None, stop: asyncio.Event | None = None) -> None:
+                on_started: Callable[[str, int], None] | None = None, stop: asyncio.Event | None = None,
+                reuse_port: bool = False) -> None:
     """Serve the gateway until SIGTERM (or `stop`, for a gateway run inside a test), then drain: gRPC and HTTP
-    refuse new requests (UNAVAILABLE, 503; `/health` 503) while those in flight finish, for up to `drain_s`."""
+    refuse new requests (UNAVAILABLE, 503; `/health` 503) while those in flight finish, for up to `drain_s`.
+    With `reuse_port`, the HTTP port is bound with SO_REUSEPORT, as gRPC's always is: one of the processes of
+    `tandem gateway --workers N` (`tandem.gateway.workers`)."""
     limits = limits or GatewayLimits()
     registry: Registry
     probe: InfoProbe | None = None
     if service.redis_url:
         registry = RedisRegistry(service.redis_url)
     else:
-        probe = InfoProbe(service.tls)
+        probe = InfoProbe(service.tls, service.internal_token)
         registry = StaticRegistry(prefill, decode, probe)
     await registry.start()
     router = Router(load_gateway_model(model, max_model_len), registry,
-                    max_concurrent_requests=max_concurrent_requests, tls=service.tls, limits=limits)
+                    max_concurrent_requests=max_concurrent_requests, tls=service.tls, limits=limits,
+                    internal_token=service.internal_token)
     keys = ApiKeys(api_keys)
 
     http: HttpServer | None = None
@@ -108,7 +116,8 @@ async def serve(service: ServiceOptions, model: str, prefill: Sequence[str], dec
     async def start_http(host: str, port: int) -> int:
         # The OpenAI-compatible API (and /metrics) in this event loop, sharing the router with gRPC.
         nonlocal http
-        http = await start_http_server(create_app(router, keys), host, port, grace_s=service.drain_s)
+        http = await start_http_server(create_app(router, keys), host, port, grace_s=service.drain_s,
+                                       reuse_port=reuse_port)
         return http.port
 
     drain_deadline = 0.0

@@ -11,6 +11,13 @@ stuck) would keep it open until a keepalive ping times out, half a minute or mor
 are in flight while its worker has sent nothing, not even the heartbeat a live worker sends every
 `SESSION_HEARTBEAT_S`, for `stall_timeout_s` is ended here, as if the stream had broken: its requests resume on
 another worker.
+
+The session's channel reads with HTTP/2's fixed stream window (64 KiB) rather than one grown by BDP probing
+(`SessionChannels`). With a grown window (megabytes) a gateway that falls behind its decode workers lets their
+step messages pile up unread in its transport, and reads them one per event-loop turn: each request then still
+gets one token per wake-up, one client message per token, and the gateway stays behind. With the fixed window the
+decode worker's writer feels the lag within a few steps and merges the steps since its last message into one
+(`decode_svc.sessions`), so the gateway's cost per token falls as its load rises.
 """
 
 from __future__ import annotations
@@ -23,9 +30,52 @@ from typing import TypeAlias
 
 import grpc
 
+from tandem.serving.auth import TokenChannel
+from tandem.serving.rpc import _KEEPALIVE_TIME_MS, _KEEPALIVE_TIMEOUT_MS, DEFAULT_MAX_MESSAGE_BYTES, TlsConfig
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+def session_channel(address: str, tls: TlsConfig | None = None, internal_token: str | None = None,
+                    ) -> grpc.aio.Channel:
+    """A channel for `Decode.Session` calls: `tandem.serving.rpc.make_channel`'s (message limits, keepalive pings,
+    TLS, the internal token), but with BDP probing off, so that the stream's receive window stays at HTTP/2's
+    64 KiB and a decode worker merges its steps once this gateway lags (the module's docstring says why)."""
+    options = [
+        ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.bdp_probe", 0),
+    ]
+    if tls is not None:
+        channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
+    else:
+        channel = grpc.aio.insecure_channel(address, options=options)
+    return channel if internal_token is None else TokenChannel(channel, internal_token)
+
+
+class SessionChannels:
+    """One `session_channel` per decode worker, made on first use and kept (a channel reconnects by itself)."""
+
+    def __init__(self, tls: TlsConfig | None = None, internal_token: str | None = None) -> None:
+        self.tls = tls
+        self.internal_token = internal_token
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = session_channel(address, self.tls, self.internal_token)
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
 
 
 @dataclass(frozen=True)

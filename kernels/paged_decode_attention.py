@@ -60,7 +60,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
 @triton.jit
 def _paged_decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, k_scale_ptr, v_scale_ptr,
-    out_ptr, lse_ptr,
+    out_ptr, lse_ptr, final_ptr, counters_ptr,
     scale_log2, num_splits,
     stride_qs, stride_qh,
     stride_kc_block, stride_kc_offset, stride_kc_head,
@@ -68,9 +68,11 @@ def _paged_decode_attention_kernel(
     stride_bt,
     stride_os, stride_oh, stride_osplit,
     stride_ls, stride_lh,
+    stride_fs, stride_fh,
     num_queries_per_kv,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMBINE_IN_KERNEL: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -136,6 +138,48 @@ def _paged_decode_attention_kernel(
         tl.store(out_ptr + out_offs + split * stride_osplit, out, mask=out_mask)
         lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=g_mask)
+        if COMBINE_IN_KERNEL:
+            # The last of the (sequence, kv head)'s splits to finish merges them all (no second launch). Every
+            # thread's stores above are done (barrier) before one gpu-scope release: the add that counts this
+            # split; the program that counts last acquires them (the same add), merges, and rearms the counter
+            # for the next launch (a CUDA graph replays it as captured). Partials are read past L1 (.cg).
+            tl.debug_barrier()
+            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                tl.store(counter, 0)
+                for g in range(num_queries_per_kv):
+                    _combine_head(out_ptr, lse_ptr, final_ptr, seq, kv_head * num_queries_per_kv + g,
+                                  num_splits, HEAD_DIM, stride_os, stride_oh, stride_osplit, stride_ls, stride_lh,
+                                  stride_fs, stride_fh, BLOCK_SPLITS, BLOCK_D, ".cg")
+
+
+@triton.jit
+def _combine_head(
+    partial_ptr, lse_ptr, out_ptr, seq, head,
+    num_splits, head_dim,
+    stride_ps, stride_ph, stride_psplit,
+    stride_ls, stride_lh,
+    stride_os, stride_oh,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr,
+):
+    """One query head's output: each split's normalised output weighted by its share of the total exp-sum."""
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"),
+                  cache_modifier=CACHE)
+    lse_max = tl.max(lse, axis=0)
+    # All splits empty (ctx 0): weights become 0 and the output 0, not NaN.
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)  # [BLOCK_SPLITS]
+    total = tl.sum(weights, axis=0)
+    partial = tl.load(partial_ptr + seq * stride_ps + head * stride_ph + offs_s[:, None] * stride_psplit
+                      + offs_d[None, :], mask=s_mask[:, None] & (offs_d < head_dim)[None, :], other=0.0,
+                      cache_modifier=CACHE)
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < head_dim)
 
 
 @triton.jit
@@ -147,23 +191,31 @@ def _combine_splits_kernel(
     stride_os, stride_oh,
     BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # Grid (S, Hq): weight each split's normalised output by its share of the total exp-sum.
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_SPLITS)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_splits
-    lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
-    # All splits empty (ctx 0): weights become 0 and the output 0, not NaN.
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp2(lse - lse_max)  # [BLOCK_SPLITS]
-    total = tl.sum(weights, axis=0)
-    partial = tl.load(partial_ptr + seq * stride_ps + head * stride_ph + offs_s[:, None] * stride_psplit
-                      + offs_d[None, :], mask=s_mask[:, None] & (offs_d < head_dim)[None, :], other=0.0)
-    out = tl.sum(partial * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < head_dim)
+    # Grid (S, Hq).
+    _combine_head(partial_ptr, lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1),
+                  num_splits, head_dim, stride_ps, stride_ph, stride_psplit, stride_ls, stride_lh,
+                  stride_os, stride_oh, BLOCK_SPLITS, BLOCK_D, "")
+
+
+# Arrival counters of the in-kernel combine, one int32 per (sequence, kv head), per device: zero between launches
+# (each launch's last split rearms its own). Grown only outside a CUDA-graph capture; an outgrown buffer is kept,
+# since a captured graph may still point at it. Launches on one device must not overlap in time (one stream).
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+
+
+def _split_counters(device: torch.device, size: int) -> torch.Tensor | None:
+    """At least `size` zeroed counters on `device`; None under a capture that would need new ones."""
+    counters = _COUNTERS.get(device)
+    if counters is not None and counters.numel() >= size:
+        return counters
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if counters is not None:
+        _OUTGROWN.append(counters)
+    counters = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+    _COUNTERS[device] = counters
+    return counters
 
 
 def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -208,7 +260,8 @@ def _num_sms(device: torch.device) -> int:
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   num_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                                  v_scale: torch.Tensor | None = None, combine_in_kernel: bool = False
+                                  ) -> torch.Tensor:
     """q [S, Hq, D], k_cache, v_cache [N, B, Hkv, D], block_tables [S, max_blocks] int32,
     context_lens [S] int32 -> [S, Hq, D].
 
@@ -217,6 +270,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     `choose_num_splits` with max_blocks * B as the context bound; pass an int to fix it (CUDA graphs).
     A float8_e4m3fn cache needs k_scale, v_scale [Hkv] float32 (a cached value reads as e4m3 * scale);
     converting fp8 tiles needs sm_89 or newer on CUDA.
+    combine_in_kernel: with splits, the last split of each (sequence, kv head) merges them (one launch, not two;
+    the same arithmetic as the combine kernel); not yet measured nor run on GPU, so off unless asked for (the
+    `attn_combine` fusion of `tandem.kernels.ops`). Under a CUDA-graph capture that would need more arrival
+    counters than exist, the two launches.
     """
     check_launchable("paged_decode_attention", q, k_cache, v_cache, block_tables, context_lens)
     check_last_dim_contiguous("paged_decode_attention", q=q, k_cache=k_cache, v_cache=v_cache,
@@ -250,22 +307,27 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         lse = q.new_empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32)
         partial_strides = (partial.stride(0), partial.stride(1), partial.stride(2))
         lse_strides = (lse.stride(0), lse.stride(1))
+    counters = None
+    if combine_in_kernel and not is_single_split:
+        counters = _split_counters(q.device, num_seqs * num_kv_heads)
     _paged_decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         k_scale if is_fp8 else context_lens, v_scale if is_fp8 else context_lens,  # unread unless fp8
-        partial, lse,
+        partial, lse, out, context_lens if counters is None else counters,  # counters unread without them
         scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        *partial_strides, *lse_strides,
+        *partial_strides, *lse_strides, out.stride(0), out.stride(1),
         num_queries_per_kv,
         HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
         IS_SINGLE_SPLIT=is_single_split, IS_FP8=is_fp8, DOT_PRECISION=dot_precision(q.dtype),
+        COMBINE_IN_KERNEL=counters is not None,
+        BLOCK_SPLITS=1 if counters is None else triton.next_power_of_2(num_splits),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if not is_single_split:
+    if not is_single_split and counters is None:
         _combine_splits_kernel[(num_seqs, num_q_heads)](
             partial, lse, out, num_splits, head_dim,
             *partial_strides, *lse_strides, out.stride(0), out.stride(1),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
+from collections.abc import Callable
 
 import grpc
 
@@ -14,7 +16,10 @@ from tandem.serving.worker import new_worker_id, start_engine, worker_record
 from tandem.v1 import worker_pb2_grpc
 
 
-async def serve(service: ServiceOptions, config: EngineConfig, model_name: str) -> None:
+async def serve(service: ServiceOptions, config: EngineConfig, model_name: str,
+                on_started: Callable[[str, int], None] | None = None, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM (or `stop`, for a worker run inside a test); with the stack's internal token in
+    `service`, every call but health checks and reflection must carry it."""
     sys.setswitchinterval(EXPORT_SWITCH_INTERVAL_S)  # the page exporter's thread shares the GIL with the engine's
     engine = start_engine(config, "prefill")
     servicer = PrefillServicer(engine, model_name)
@@ -29,4 +34,4 @@ async def serve(service: ServiceOptions, config: EngineConfig, model_name: str) 
         servicer.export.close()
 
     await run_service(service, add, lambda address: worker_record(engine, "prefill", model_name, worker_id, address),
-                      cleanup=cleanup)
+                      cleanup=cleanup, on_started=on_started, stop=stop)

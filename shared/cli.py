@@ -67,7 +67,9 @@ HostOpt = Annotated[str, typer.Option(help="Address to bind.")]
 PortOpt = Annotated[int, typer.Option(help="gRPC port (0 picks a free one).")]
 HttpPortOpt = Annotated[int, typer.Option(help="HTTP port of /metrics (0 picks a free one).")]
 AdvertiseOpt = Annotated[str | None, typer.Option(help="host:port others reach this worker at.")]
-RedisOpt = Annotated[str | None, typer.Option(help="Redis URL of the registry (default: static addresses).")]
+RedisOpt = Annotated[str | None, typer.Option(
+    envvar="TANDEM_REDIS_URL", help="Redis URL of the registry (default: static addresses); credentials go in the URL "
+    "(redis://:PASSWORD@HOST:6379/0, rediss:// for TLS): set it in $TANDEM_REDIS_URL to keep them off `ps`.")]
 ThreadsOpt = Annotated[int, typer.Option(help="torch CPU threads (0: torch's default).")]
 TlsCertOpt = Annotated[str | None, typer.Option(help="TLS certificate (PEM) of this service; off by default.")]
 TlsKeyOpt = Annotated[str | None, typer.Option(help="TLS private key (PEM) of this service.")]
@@ -75,10 +77,46 @@ TlsCaOpt = Annotated[str | None, typer.Option(
     help="CA (PEM) that signs the other services' certificates: with it, TLS is mutual between services.")]
 
 
+InternalTokenFileOpt = Annotated[str | None, typer.Option(
+    envvar="TANDEM_INTERNAL_TOKEN_FILE", show_default=False,
+    help="File holding the stack's internal token, which every call to a worker must carry (or set the token itself "
+         "in $TANDEM_INTERNAL_TOKEN; `tandem up` makes one by itself). Default: none.")]
+InsecureOpt = Annotated[bool, typer.Option(
+    "--insecure", help="Listen beyond loopback (--host) with neither an internal token nor mutual TLS: any caller "
+                       "that reaches the port may use this worker. Refused without this flag.")]
+
+
 def _tls(cert: str | None, key: str | None, ca: str | None, client_auth: bool = True):  # noqa: ANN202
     from tandem.serving.rpc import TlsConfig
 
     return TlsConfig.from_flags(cert, key, ca, client_auth)
+
+
+def _internal_token(role: str, file: str | None) -> str | None:
+    """The stack's internal token (`file`, else $TANDEM_INTERNAL_TOKEN_FILE or $TANDEM_INTERNAL_TOKEN), or None;
+    exits with the reason when it is unusable."""
+    from tandem.common.config import ConfigError
+    from tandem.serving.auth import load_internal_token
+
+    try:
+        return load_internal_token(file)
+    except ConfigError as error:
+        typer.echo(f"tandem {role}: {error}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _service_options(role: str, internal_token_file: str | None, **fields: object):  # noqa: ANN202
+    """A worker's `ServiceOptions` with the stack's internal token; a configuration that would not be safe to
+    serve (beyond loopback with no authentication: `tandem.serving.auth`) exits with the reason."""
+    from tandem.common.config import ConfigError
+    from tandem.serving.service import ServiceOptions
+
+    token = _internal_token(role, internal_token_file)
+    try:
+        return ServiceOptions(role=role, internal_token=token, **fields)  # type: ignore[arg-type]
+    except ConfigError as error:
+        typer.echo(f"tandem {role}: {error}", err=True)
+        raise typer.Exit(2) from None
 
 
 EngineGroup = "Engine"
@@ -91,17 +129,18 @@ def _worker(role: str, service: dict[str, object], engine: dict[str, object], th
     import asyncio
     import logging
 
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    # Before torch loads: a worker that may not serve (no auth beyond loopback, say) says so at once.
+    tls = _tls(service.pop("tls_cert"), service.pop("tls_key"), service.pop("tls_ca"))  # type: ignore[arg-type]
+    options = _service_options(role, tls=tls, **service)  # type: ignore[arg-type]
+
     import torch
 
     from tandem.common.config import EngineConfig
     from tandem.models import load_model_config
-    from tandem.serving.service import ServiceOptions
 
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     if threads:
         torch.set_num_threads(threads)
-    tls = _tls(service.pop("tls_cert"), service.pop("tls_key"), service.pop("tls_ca"))  # type: ignore[arg-type]
-    options = ServiceOptions(role=role, tls=tls, **service)  # type: ignore[arg-type]
     model = str(engine.pop("model"))
     config = EngineConfig.create(load_model_config(model), **engine)  # type: ignore[arg-type]
     if role == "prefill":
@@ -140,6 +179,12 @@ SpeculativeOpt = Annotated[str | None, typer.Option(
 PrefixCachingOpt = Annotated[bool, typer.Option(
     "--prefix-caching/--no-prefix-caching",
     help="Keep full KV blocks for reuse by later prompts that start the same way.", rich_help_panel=EngineGroup)]
+QuantizationOpt = Annotated[str | None, typer.Option(
+    help="Quantize the weights at load: int8 (weight-only, per-channel) or fp8 (e4m3 weights, per-token "
+         "activations). Default: the model's own (unquantized).", rich_help_panel=EngineGroup)]
+KvCacheDtypeOpt = Annotated[str, typer.Option(
+    help="KV cache element type: auto (the model's dtype) or fp8 (e4m3, half the bytes; per-head scales).",
+    rich_help_panel=EngineGroup)]
 
 
 @app.command()
@@ -149,15 +194,19 @@ def prefill(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port:
             max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256, drain_s: float = 30.0,
             gpu_memory_fraction: GpuFractionOpt = 0.85, max_num_batched_tokens: BatchedTokensOpt = None,
             chunked_prefill: ChunkedOpt = True, prefix_caching: PrefixCachingOpt = True,
+            quantization: QuantizationOpt = None, kv_cache_dtype: KvCacheDtypeOpt = "auto",
             tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
+            internal_token_file: InternalTokenFileOpt = None, insecure: InsecureOpt = False,
             ) -> None:
     """Run one prefill worker."""
     _worker("prefill", dict(host=host, port=port, http_port=http_port, advertise=advertise, redis_url=redis,
-                            drain_s=drain_s, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca),
+                            drain_s=drain_s, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
+                            internal_token_file=internal_token_file, insecure=insecure),
             dict(model=model, device=device, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                  max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction,
                  max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
-                 enable_prefix_caching=prefix_caching), threads)
+                 enable_prefix_caching=prefix_caching, quantization=quantization, kv_cache_dtype=kv_cache_dtype),
+            threads)
 
 
 @app.command()
@@ -168,6 +217,7 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
            kv_transport: Annotated[str, typer.Option(help="auto | grpc | cuda-ipc (same GPU only).")] = "auto",
            gpu_memory_fraction: GpuFractionOpt = 0.85, max_num_batched_tokens: BatchedTokensOpt = None,
            chunked_prefill: ChunkedOpt = True, prefix_caching: PrefixCachingOpt = True,
+           quantization: QuantizationOpt = None, kv_cache_dtype: KvCacheDtypeOpt = "auto",
            speculative_config: SpeculativeOpt = None,
            max_queued: Annotated[int, typer.Option(
                help="Requests accepted but not yet running (incl. waiting for blocks); past it RESOURCE_EXHAUSTED."
@@ -177,17 +227,19 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
                                  "also every prefill worker the registry lists. No other address is ever dialled.")
            ] = None,
            tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
+           internal_token_file: InternalTokenFileOpt = None, insecure: InsecureOpt = False,
            ) -> None:
     """Run one decode worker."""
     if kv_transport not in ("auto", "grpc", "cuda-ipc"):
         raise typer.BadParameter("must be auto, grpc or cuda-ipc", param_hint="--kv-transport")
     _worker("decode", dict(host=host, port=port, http_port=http_port, advertise=advertise, redis_url=redis,
-                           drain_s=drain_s, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca),
+                           drain_s=drain_s, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
+                           internal_token_file=internal_token_file, insecure=insecure),
             dict(model=model, device=device, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                  max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction,
                  max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
-                 enable_prefix_caching=prefix_caching), threads,
-            kv_transport, max_queued, prefill, speculative_config)
+                 enable_prefix_caching=prefix_caching, quantization=quantization, kv_cache_dtype=kv_cache_dtype),
+            threads, kv_transport, max_queued, prefill, speculative_config)
 
 
 LimitsGroup = "Limits"
@@ -204,13 +256,15 @@ def gateway(
     decode: Annotated[list[str] | None, typer.Option("--decode", help="Static decode address (repeat).")] = None,
     max_model_len: int | None = None, drain_s: float = 30.0,
     max_concurrent_requests: Annotated[int, typer.Option(
-        help="Requests in flight (gRPC and HTTP together); past it RESOURCE_EXHAUSTED / 429.")] = 1024,
+        help="Requests in flight (gRPC and HTTP together), per gateway process (see --workers); past it "
+             "RESOURCE_EXHAUSTED / 429.")] = 1024,
     api_key: Annotated[list[str] | None, typer.Option(
         "--api-key", help="Accepted API key (repeat, or comma-separated; also $TANDEM_API_KEYS). Default: no auth.",
         show_default=False)] = None,
     tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
     tls_client_auth: Annotated[bool, typer.Option(
         help="Require client certificates on the public port too (with --tls-ca).")] = False,
+    internal_token_file: InternalTokenFileOpt = None,
     max_request_bytes: Annotated[int, typer.Option(
         help="Largest HTTP body (413 past it) or gRPC message (RESOURCE_EXHAUSTED).",
         rich_help_panel=LimitsGroup)] = 16 * 1024 * 1024,
@@ -228,6 +282,10 @@ def gateway(
         help="Sequences one request generates (prompts × n); each holds a concurrency slot.",
         rich_help_panel=LimitsGroup)] = 128,
     decode_stall_timeout: DecodeStallOpt = 10.0,
+    workers: Annotated[int, typer.Option(
+        min=0, help="Gateway processes on the same ports (SO_REUSEPORT: the kernel spreads connections among them), "
+                    "each with its own sessions to the decode workers and its own --max-concurrent-requests; "
+                    "0: one per 4 CPUs, between 1 and 4.")] = 1,
 ) -> None:
     """Run the gateway (the public gRPC API)."""
     import asyncio
@@ -243,7 +301,8 @@ def gateway(
     if not redis and not decode:
         raise typer.BadParameter("give --redis URL or at least one --decode address", param_hint="--decode")
     service = ServiceOptions(role="gateway", host=host, port=port, http_port=http_port, redis_url=redis,
-                             drain_s=drain_s, tls=_tls(tls_cert, tls_key, tls_ca, tls_client_auth))
+                             drain_s=drain_s, tls=_tls(tls_cert, tls_key, tls_ca, tls_client_auth),
+                             internal_token=_internal_token("gateway", internal_token_file))
     if max_concurrent_requests < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--max-concurrent-requests")
     try:
@@ -256,6 +315,13 @@ def gateway(
         raise typer.BadParameter(str(error)) from None
     keys = parse_api_keys(api_key)
     logging.getLogger(__name__).info("API keys: %s", f"{len(keys)} accepted" if keys else "off")
+    from tandem.gateway.workers import GatewayArgs, resolve_num_workers, run_workers
+
+    num_workers = resolve_num_workers(workers)
+    if num_workers > 1:
+        args = GatewayArgs(service, model, tuple(prefill or ()), tuple(decode or ()), max_model_len,
+                           max_concurrent_requests, keys, limits)
+        raise typer.Exit(run_workers(args, num_workers))
     asyncio.run(serve(service, model, prefill or [], decode or [], max_model_len,
                       max_concurrent_requests=max_concurrent_requests, api_keys=keys, limits=limits))
 
@@ -288,6 +354,38 @@ def healthcheck(
     raise typer.Exit(0 if is_serving(address, timeout, _tls(tls_cert, tls_key, tls_ca)) else 1)
 
 
+@app.command("internal-token")
+def internal_token_cmd(
+    file: Annotated[Path | None, typer.Option(
+        "--file", help="Write the token here (mode 0600) instead of printing it: $TANDEM_INTERNAL_TOKEN's if set, "
+                       "else the valid token already there, else a new one.", show_default=False)] = None,
+) -> None:
+    """Make the internal token that the services of one stack share (service-to-service authentication): print a
+    new random one (`export TANDEM_INTERNAL_TOKEN=$(tandem internal-token)`), or write it to --file once."""
+    import os
+
+    from tandem.common.config import ConfigError
+    from tandem.serving.auth import INTERNAL_TOKEN_ENV, generate_token, load_internal_token, write_token_file
+
+    if file is None:
+        print(generate_token())
+        return
+    try:
+        given = os.environ.get(INTERNAL_TOKEN_ENV)
+        if given:
+            token, what = load_internal_token(env={INTERNAL_TOKEN_ENV: given}) or "", f"${INTERNAL_TOKEN_ENV}"
+        else:
+            try:
+                token, what = load_internal_token(file, env={}) or "", "the token already there (kept)"
+            except ConfigError:  # none there yet, or not a usable one: a new one
+                token, what = generate_token(), "a new token"
+        write_token_file(file, token)
+    except (ConfigError, OSError) as error:
+        typer.echo(f"tandem internal-token: {error}", err=True)
+        raise typer.Exit(2) from None
+    print(f"internal token: {what} in {file} (mode 0600)")
+
+
 @app.command()
 def up(
     model: ModelOpt = "smollm2-135m",
@@ -310,6 +408,7 @@ def up(
                             "workers the rest (tandem runs its own MPS daemon). Default: time-sharing.")] = None,
     max_num_batched_tokens: BatchedTokensOpt = None, chunked_prefill: ChunkedOpt = True,
     prefix_caching: PrefixCachingOpt = True,
+    quantization: QuantizationOpt = None, kv_cache_dtype: KvCacheDtypeOpt = "auto",
     speculative_config: SpeculativeOpt = None,
     max_request_bytes: Annotated[int | None, typer.Option(
         help="The gateway's largest HTTP body / gRPC message (default: the gateway's, 16 MiB).",
@@ -317,6 +416,9 @@ def up(
     decode_stall_timeout: Annotated[float | None, typer.Option(
         "--decode-stall-timeout", help="The gateway's --decode-stall-timeout (default: the gateway's, 10 s).",
         rich_help_panel=LimitsGroup, show_default=False)] = None,
+    gateway_workers: Annotated[int | None, typer.Option(
+        min=1, help="Gateway processes on the gateway's ports (`tandem gateway --workers`). Default: one per 4 "
+                    "CPUs, between 1 and 4.", show_default=False)] = None,
 ) -> None:
     """Start a gateway, N prefill and M decode workers (one process each), until Ctrl-C/SIGTERM."""
     from tandem.launcher import Stack, StackOptions
@@ -328,7 +430,9 @@ def up(
                            max_num_seqs=max_num_seqs, gpu_split=gpu_split,
                            max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
                            enable_prefix_caching=prefix_caching, speculative_config=speculative_config,
-                           max_request_bytes=max_request_bytes, decode_stall_timeout_s=decode_stall_timeout)
+                           quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                           max_request_bytes=max_request_bytes, decode_stall_timeout_s=decode_stall_timeout,
+                           gateway_workers=gateway_workers)
     raise typer.Exit(Stack(options).run(demo=demo, exit_after_demo=exit_after_demo))
 
 

@@ -17,13 +17,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.common.config import ConfigError
 from tandem.common.paths import tandem_home
+from tandem.gateway.workers import default_num_workers
 from tandem.mps import MpsDaemon
+from tandem.serving.auth import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_FILE_ENV, generate_token, load_internal_token
 from tandem.serving.rpc import TlsConfig
+
+# A Redis URL with a password reaches the services in the environment, not on their command lines (which `ps`
+# shows every user of the machine).
+REDIS_URL_ENV = "TANDEM_REDIS_URL"
 
 
 @dataclass(frozen=True)
@@ -50,11 +58,16 @@ class StackOptions:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     # Decode workers' --speculative-config (JSON), or None.
     speculative_config: str | None = None
     # The gateway's --max-request-bytes and --decode-stall-timeout; None: the gateway's defaults.
     max_request_bytes: int | None = None
     decode_stall_timeout_s: float | None = None
+    # Gateway processes on the gateway's ports (`tandem gateway --workers`); None: one per 4 CPUs, between 1 and 4
+    # (`tandem.gateway.workers.default_num_workers`).
+    gateway_workers: int | None = None
 
 
 @dataclass
@@ -79,6 +92,10 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def _has_password(url: str) -> bool:
+    return urlsplit(url).password is not None
+
+
 def is_serving(address: str, timeout_s: float = 1.0, tls: TlsConfig | None = None) -> bool:
     channel = grpc.secure_channel(address, tls.channel_credentials()) if tls else grpc.insecure_channel(address)
     with channel:
@@ -96,6 +113,9 @@ class Stack:
         self.services: list[Service] = []
         self._stopping = False
         self.mps = MpsDaemon(options.gpu_split) if options.gpu_split is not None else None
+        # The stack's internal token (service-to-service auth), set by `_plan`: the one configured in the
+        # environment, else a new one for this run. The children get it in their environment, never in argv.
+        self.internal_token: str | None = None
 
     def _plan(self) -> None:
         o = self.options
@@ -103,10 +123,11 @@ class Stack:
         run_name = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         log_dir = o.log_dir or tandem_home() / "logs" / run_name
         log_dir.mkdir(parents=True, exist_ok=True)
+        self.internal_token = load_internal_token() or generate_token()
         base = [sys.executable, "-m", "tandem.cli"]
         common = ["--model", o.model]
-        if o.redis_url:
-            common += ["--redis", o.redis_url]
+        if o.redis_url and not _has_password(o.redis_url):
+            common += ["--redis", o.redis_url]  # with a password: $TANDEM_REDIS_URL (`child_env`)
         engine_flags = ["--device", o.device, "--threads", str(o.threads), "--max-num-seqs", str(o.max_num_seqs)]
         if o.device.startswith("cuda"):
             # Workers on one GPU split it: each sizes its KV pool from its own share.
@@ -122,6 +143,10 @@ class Stack:
             engine_flags += ["--no-chunked-prefill"]
         if not o.enable_prefix_caching:
             engine_flags += ["--no-prefix-caching"]
+        if o.quantization:
+            engine_flags += ["--quantization", o.quantization]
+        if o.kv_cache_dtype != "auto":
+            engine_flags += ["--kv-cache-dtype", o.kv_cache_dtype]
         workers: dict[str, list[str]] = {"prefill": [], "decode": []}
         for role, count in (("prefill", o.num_prefill), ("decode", o.num_decode)):
             for i in range(count):
@@ -149,6 +174,7 @@ class Stack:
             gateway += ["--max-request-bytes", str(o.max_request_bytes)]
         if o.decode_stall_timeout_s is not None:
             gateway += ["--decode-stall-timeout", str(o.decode_stall_timeout_s)]
+        gateway += ["--workers", str(o.gateway_workers or default_num_workers())]
         if not o.redis_url:
             for address in workers["prefill"]:
                 gateway += ["--prefill", address]
@@ -157,10 +183,21 @@ class Stack:
         self.services.insert(0, Service("gateway", f"{o.host}:{gateway_port}",
                                         f"http://{o.host}:{gateway_http_port}", gateway, log_dir / "gateway.log"))
 
-    def _spawn(self, service: Service) -> None:
+    def child_env(self, role: str) -> dict[str, str]:
+        """The environment a service of this stack runs in: ours, with the stack's internal token (planned)."""
+        assert self.internal_token is not None, "planned first"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop(INTERNAL_TOKEN_FILE_ENV, None)  # the token itself, resolved once here: one source for all
+        env[INTERNAL_TOKEN_ENV] = self.internal_token
+        env.pop(REDIS_URL_ENV, None)  # the stack's registry is `options.redis_url`, whatever the shell says
+        if self.options.redis_url and _has_password(self.options.redis_url):
+            env[REDIS_URL_ENV] = self.options.redis_url
         if self.mps is not None:
-            env.update(self.mps.env_for(service.role))
+            env.update(self.mps.env_for(role))
+        return env
+
+    def _spawn(self, service: Service) -> None:
+        env = self.child_env(service.role)
         with service.log_path.open("wb") as log:
             service.process = subprocess.Popen(service.command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                stdin=subprocess.DEVNULL)
@@ -258,7 +295,7 @@ class Stack:
             self.watch()
         except KeyboardInterrupt:
             pass
-        except (RuntimeError, TimeoutError) as error:
+        except (RuntimeError, TimeoutError, ConfigError) as error:
             print(f"tandem up: {error}", file=sys.stderr)
             return 1
         finally:

@@ -9,6 +9,12 @@
 #   disagg   disaggregated vs colocated: the GPU stack test (cuda-ipc and grpc give the same tokens), the
 #            prefill-worker forward vs a local prefill (`prefill_forward`), and `serve_modes` (the serve benchmark
 #            on a colocated, a time-shared and an MPS-partitioned stack; SPLIT_MODE=split:P picks P)
+#   chunked  chunked prefill vs whole-prompt steps: the paged prefill kernel over chunk x context, the serve benchmark
+#            colocated at 2..48 req/s, one 32k-token prompt among 64 decoding streams
+#   quant    quantized kernels' tests, decode step vs floor and offline throughput for bf16 / int8 / fp8 / fp8 + fp8
+#            KV, a 1,000/1,000 max-throughput run, offline chunked vs whole prompts, HF transformers
+#   spec     speculative decoding speed-up at batch 1 and 16: draft = target (the ceiling), n-gram
+#   prefix   prefix caching through the stack (1 prefill + 2 decode): multi-turn chat, shared system prompt, random
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
@@ -19,6 +25,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
     PY=${PY:-.venv/bin/python}
     OUT=${OUT:-/tmp/gpu-dry-run}
     DEVICE=cpu BIG=dummy:tiny SMALL=dummy:tiny SCALE=0 DRY=--dry-run
+    TI="env TRITON_INTERPRET=1"  # steps that call Triton kernels directly take the interpreter
 else
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "wheel install failed"; exit 1; }
@@ -26,7 +33,7 @@ else
     # SmolLM2's tokenizer (no weights) for text with dummy models; the machine reaches no registry.
     export TANDEM_HOME=$PWD/.whl/tandem-home
     PY=python3
-    DEVICE=cuda BIG=dummy:llama-3.1-8b SMALL=dummy:llama-3.2-1b SCALE=1 DRY=
+    DEVICE=cuda BIG=dummy:llama-3.1-8b SMALL=dummy:llama-3.2-1b SCALE=1 DRY= TI=
 fi
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
@@ -65,9 +72,20 @@ suite_engine() {
 }
 
 suite_stack() {
-    step stack-overhead 300 $PY -m tandem.benchmarks.stack_overhead --model "$SMALL" --device "$DEVICE" \
-        --num-requests "$(n 256 8)" --prompt-len "fixed:$(n 256 16)" --output-len "fixed:$(n 1024 8)" \
-        --out "$OUT/stack-overhead.json"
+    # The gateway alone over a decode worker with no engine (one process, 256 streams): its CPU per output token.
+    step gateway-alone 90 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 --gateway-workers 1 \
+        --num-requests "$(n 256 8)" --output-len "fixed:$(n 128 8)" --out "$OUT/gateway-alone-w1.json"
+    # The issue's rows with tandem up's default gateway processes (4 on a 16-CPU host), then the worst row with one.
+    stack_row 1b-128-w4 "$SMALL" 256 128 4
+    stack_row 1b-1024-w4 "$SMALL" 256 1024 4
+    stack_row 8b-256-w4 "$BIG" 1024 256 4
+    stack_row 1b-128-w1 "$SMALL" 256 128 1
+}
+
+stack_row() {  # NAME MODEL PROMPT OUTPUT GATEWAY_WORKERS
+    step "stack-$1" 170 $PY -m tandem.benchmarks.stack_overhead --model "$2" --device "$DEVICE" \
+        --num-requests "$(n 256 8)" --prompt-len "fixed:$(n "$3" 16)" --output-len "fixed:$(n "$4" 8)" \
+        --gateway-workers "$5" --label "$1" --out "$OUT/stack-overhead-$1.json"
 }
 
 # After a fix of the cuda-ipc handle: the stack test, the forward (also at Python's default switch interval) and
@@ -99,9 +117,122 @@ serve_mode() {  # MODE TIMEOUT_S
         --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/$name.json"
 }
 
+suite_chunked() {
+    step chunk-kernel 150 $TI $PY -m tandem.benchmarks.chunk_attention $DRY --out "$OUT/chunk-attention.json"
+    serve_chunks chunked "" 200
+    # Before chunked prefill: every prompt whole, in a step of its own (the budget holds the longest).
+    serve_chunks whole "--no-chunked-prefill --max-num-batched-tokens 8192" 200
+    long_prompt chunked ""
+    long_prompt whole "--no-chunked-prefill --max-num-batched-tokens $(n 33000 600)"
+}
+
+# The serve rows alone, at the rates in CHUNK_RATES (default: all five).
+suite_chunked_serve() {
+    serve_chunks chunked "" 280
+    serve_chunks whole "--no-chunked-prefill --max-num-batched-tokens 8192" 280
+}
+
+serve_chunks() {  # NAME STACK_ARGS TIMEOUT_S
+    step "serve-$1" "$3" $PY -m tandem.benchmarks.serve_modes --mode colocated --model "$BIG" --device "$DEVICE" \
+        --max-num-seqs "$(n 128 8)" --rates "$(n "${CHUNK_RATES:-2,8,16,32,48}" 4)" --num-requests "$(n 128 4)" \
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --stack-args "$2" --out "$OUT/serve-$1.json"
+}
+
+long_prompt() {  # NAME STACK_ARGS
+    step "long-prompt-$1" 150 $PY -m tandem.benchmarks.long_prompt --model "$BIG" --device "$DEVICE" \
+        --long-prompt "$(n 32768 512)" --streams "$(n 64 4)" --stream-tokens "$(n 4096 200)" --stack-args "$2" \
+        --out "$OUT/long-prompt-$1.json"
+}
+
+suite_quant() {
+    local Q="$TI $PY -m tandem.benchmarks.quant"
+    step quant-decode-latency 200 $Q decode-latency $DRY --model "$BIG" --steps "$(n 50 3)" --out "$OUT"
+    step quant-offline 200 $Q offline $DRY --model "$BIG" --variants bf16,int8,fp8,fp8+fp8kv --out "$OUT/offline"
+    step quant-1000 200 $Q offline $DRY --model "$BIG" --variants bf16,fp8+fp8kv --num-requests "$(n 512 8)" \
+        --prompt-len 1000 --max-tokens 1000 --out "$OUT/offline-1000"
+    step offline-whole 100 $Q offline $DRY --model "$BIG" --variants bf16 --no-chunked-prefill --out "$OUT/offline-whole"
+    step offline-chunked-512 100 $Q offline $DRY --model "$BIG" --variants bf16 --max-num-batched-tokens 512 \
+        --out "$OUT/offline-chunked-512"
+    step quant-kernel-tests 200 $PY -m pytest -q -x --confcutdir=tests/kernels -p no:cacheprovider \
+        tests/kernels/test_quant_linear.py tests/kernels/test_fp8_kv.py tests/kernels/test_quantized_model.py \
+        tests/kernels/test_rope_store_kv.py tests/kernels/test_paged_prefill_attention.py
+    local E="$PY -m tandem.benchmarks.gpu_engine"
+    [ "$SCALE" = 1 ] || E="env TRITON_INTERPRET=1 $E"
+    step hf 150 $E hf $DRY --model "$BIG" --out "$OUT"
+}
+
+# Where a decode step's time goes: bf16 against the quantized weights at batch 1 (torch.profiler, kernels by time).
+suite_quant_profile() {
+    local E="$PY -m tandem.benchmarks.gpu_engine"
+    [ "$SCALE" = 1 ] || E="env TRITON_INTERPRET=1 $E"
+    step profile-bf16 100 $E profile $DRY --model "$BIG" --batches 1 --out "$OUT"
+    step profile-int8 100 $E profile $DRY --model "$BIG" --batches 1 --quantization int8 --out "$OUT"
+    step profile-fp8 100 $E profile $DRY --model "$BIG" --batches 1 --quantization fp8 --out "$OUT"
+}
+
+# Each fusion of the decode layer on and off (TANDEM_FUSIONS), decode step vs the floor; the in-kernel combine of
+# the split attention checked against the reference path.
+suite_fusions() {
+    local E="$PY -m tandem.benchmarks.gpu_engine"
+    [ "$SCALE" = 1 ] || E="env TRITON_INTERPRET=1 $E"
+    step fusion-ablation 240 $E decode-latency $DRY --models "$BIG" --fusions none,all,all+attn_combine \
+        --batches 1,64 --steps "$(n 50 4)" --out "$OUT"
+    step correctness-attn-combine 120 env TANDEM_FUSIONS=all+attn_combine $E correctness $DRY --model "$SMALL" \
+        --steps "$(n 200 8)" --out "$OUT/attn-combine"
+}
+
+suite_spec() {
+    local S="$PY -m tandem.benchmarks.spec_speed"
+    step spec-draft 240 $S $DRY --device "$DEVICE" --model "$BIG" --draft-model "$BIG" --batch-sizes 1,16 \
+        --prompts all --max-tokens "$(n 128 8)" --out "$OUT/spec-speed-draft.json"
+    step spec-ngram 180 $S $DRY --device "$DEVICE" --model "$BIG" --batch-sizes 1,16 --prompts all \
+        --max-tokens "$(n 128 8)" --out "$OUT/spec-speed-ngram.json"
+}
+
+# The small-M path of the quantized linears (weight-only GEMV with in-launch split-K): kernel tests, the
+# micro-benchmark, and the decode step with the path on and off (TANDEM_QUANT_SMALL_M=0).
+suite_quant_small_m() {
+    local Q="$TI $PY -m tandem.benchmarks.quant"
+    step small-m-tests 150 $PY -m pytest -q -x --confcutdir=tests/kernels -p no:cacheprovider \
+        tests/kernels/test_quant_linear.py
+    step quant-gemv 120 $TI $PY -m tandem.benchmarks.quant_gemv $DRY --out "$OUT/quant-gemv.json"
+    step small-m-on 120 $Q decode-latency $DRY --model "$BIG" --variants bf16,int8,fp8 --batches 1,16,64 \
+        --steps "$(n 50 3)" --out "$OUT/small-m-on"
+    step small-m-off 120 env TANDEM_QUANT_SMALL_M=0 $Q decode-latency $DRY --model "$BIG" --variants int8,fp8 \
+        --batches 1,16,64 --steps "$(n 50 3)" --out "$OUT/small-m-off"
+}
+
+suite_prefix() {
+    step prefix-chat 300 $PY -m tandem.benchmarks.prefix_chat --model "$BIG" --device "$DEVICE" \
+        --conversations "$(n 32 2)" --turns "$(n 5 2)" --shared-requests "$(n 32 2)" --random-requests "$(n 16 2)" \
+        --concurrency "$(n 16 2)" --max-tokens "$(n 64 4)" --out "$OUT/prefix-chat.json"
+}
+
+# Diagnosis of time to first token at a low rate: the engine alone step by step (chunked vs whole prompts: step
+# kinds, step times, Triton compiles while serving), and the stack's spans per phase (colocated vs disaggregated).
+suite_diag() {
+    for mode in chunked whole; do
+        local flag=""; [ "$mode" = whole ] && flag=--no-chunked-prefill
+        step "step-trace-$mode" 150 $PY -m tandem.benchmarks.step_trace --model "$BIG" --device "$DEVICE" --rate 2 \
+            --num-requests "$(n 48 6)" --prompt-len "$(n 1024 64)" --output-len "$(n 256 8)" $flag \
+            --out "$OUT/step-trace-$mode.json"
+    done
+    span_phases colocated
+    span_phases disagg
+}
+
+span_phases() {  # MODE: the serve benchmark at 2 req/s with every span printed into the logs, then per phase
+    step "spans-$1" 150 env OTEL_TRACES_EXPORTER=console $PY -m tandem.benchmarks.serve_modes --mode "$1" \
+        --model "$BIG" --device "$DEVICE" --max-num-seqs "$(n 64 8)" --rates 2 --num-requests "$(n 32 4)" \
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/spans-serve-$1.json"
+    local logs
+    logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
+    step "phases-$1" 60 $PY -m tandem.benchmarks.span_phases "$logs" --out "$OUT/phases-$1.json"
+}
+
 for suite in "$@"; do
     if ! declare -F "suite_$suite" > /dev/null; then
-        echo "unknown suite $suite (kernels, engine, stack, disagg, disagg_recheck)"; exit 2
+        echo "unknown suite $suite (kernels, engine, stack, disagg, disagg_recheck, chunked, quant, spec, prefix)"; exit 2
     fi
     "suite_$suite"
 done

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.common.config import ConfigError, EngineConfig, KVLayout
+from tandem.common.config import EngineConfig, KVLayout, ModelConfig
 from tandem.common.errors import InvalidRequestError
 from tandem.common.sampling_params import SamplingParams
 from tandem.common.validation import validate_prompt
 from tandem.engine.block_pool import BlockPool
+from tandem.engine.draft import DraftProposer, draft_engine_config, draft_kv_share
 from tandem.engine.ngram import NgramProposer
 from tandem.engine.request import KVMirror, Request, RequestStatus
 from tandem.engine.runner import ModelRunner
@@ -49,18 +50,39 @@ class StepResult:
     # Speculative decoding: proposals verified this step, and how many of them were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Draft model: tokens it computed after this step (catch-up and proposals), and how many of them were prompt
+    # tokens (its K/V of the prompt are computed here, also on a decode worker whose target pages were shipped).
+    num_draft_model_tokens: int = 0
+    num_draft_prompt_tokens: int = 0
 
 
 class Engine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, draft_model: ModelConfig | None = None) -> None:
+        """`draft_model`: the draft's config when `speculative` names one (else loaded by its name)."""
         self.config = config
-        self.runner = runner or ModelRunner(config)
-        # Speculative decoding (n-gram prompt lookup): proposals verified in the next step, output unchanged.
-        if speculative is not None and speculative.method != "ngram":
-            raise ConfigError(f"speculative_config: method {speculative.method!r} is not supported yet (ngram)")
+        # Speculative decoding: proposals (prompt lookup, or a draft model's) verified in the next step, output
+        # unchanged. A draft's KV pool mirrors the target's block ids, so the two pools share the KV budget.
         self.speculative = speculative
-        self.proposer = NgramProposer.from_config(speculative) if speculative is not None else None
+        self.proposer: NgramProposer | None = None
+        self.draft: DraftProposer | None = None
+        draft_config = None
+        extra_kv_bytes_per_block = reserved_kv_bytes = 0
+        if speculative is not None and speculative.method == "draft_model":
+            if draft_model is None:
+                from tandem.models import load_model_config
+
+                assert speculative.model is not None  # SpeculativeConfig checks it
+                draft_model = load_model_config(speculative.model)
+            draft_config = draft_engine_config(config, speculative, draft_model)
+            extra_kv_bytes_per_block, reserved_kv_bytes = draft_kv_share(draft_config, speculative)
+        elif speculative is not None:
+            self.proposer = NgramProposer.from_config(speculative)
+        self.runner = runner or ModelRunner(config, extra_kv_bytes_per_block=extra_kv_bytes_per_block,
+                                            reserved_kv_bytes=reserved_kv_bytes)
+        if draft_config is not None:
+            assert speculative is not None
+            self.draft = DraftProposer(speculative, draft_config, self.runner.kv_cache.num_blocks)
         self.block_pool = BlockPool(self.runner.kv_cache.num_blocks)
         # Cached K/V are valid only for this model, dtype and KV shape: the layout's fingerprint keys the hashes.
         prefix_key = self.runner.kv_cache.layout.fingerprint().encode() if config.cache.enable_prefix_caching else None
@@ -152,6 +174,8 @@ class Engine:
         request = self.requests.pop(req_id, None)
         if request is not None:
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            if self.draft is not None:
+                self.draft.forget(req_id)
 
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -177,10 +201,14 @@ class Engine:
         finished = self.scheduler.update_from_output(output, token_ids, logprobs)
         for request in finished:
             self.requests.pop(request.req_id, None)
-        if self.proposer is not None:
+        result = StepResult(output.requests, finished, is_prefill, output.reserved, output.num_new_tokens,
+                            num_draft, num_accepted)
+        if self.speculative is not None:
             self._propose(output.requests, token_ids, sampled, num_spec)
-        return StepResult(output.requests, finished, is_prefill, output.reserved, output.num_new_tokens,
-                          num_draft, num_accepted)
+            if self.draft is not None:
+                result.num_draft_model_tokens = self.draft.last_num_tokens
+                result.num_draft_prompt_tokens = self.draft.last_num_prompt_tokens
+        return result
 
     # -- speculative decoding ---------------------------------------------------------------------------
     # A request whose proposals are all rejected proposes half as many next time; at none, it waits this many
@@ -190,8 +218,8 @@ class Engine:
     def _propose(self, requests: list[Request], emitted: list[list[int]], sampled: list[bool],
                  num_spec_tokens: list[int]) -> None:
         """After a step: adapt each request's allowance to how its proposals fared, then propose for the next
-        step (prompt lookup) for every request that is decoding."""
-        assert self.proposer is not None and self.speculative is not None
+        step (prompt lookup, or the draft model) for every request that is decoding."""
+        assert self.speculative is not None
         k_max = self.speculative.num_speculative_tokens
         runs = iter(emitted)
         for request, samples, num_spec in zip(requests, sampled, num_spec_tokens, strict=True):
@@ -206,6 +234,7 @@ class Engine:
                     request.num_spec_allowed = -self.SPEC_COOLDOWN_STEPS
         candidates = []
         for request in requests:
+            request.spec_draft_probs = None
             if request.status is not RequestStatus.RUNNING or request.is_prefilling or request.prefill_only:
                 continue
             if request.num_spec_allowed < 0:  # cooling down; then it tries one proposal again
@@ -219,8 +248,16 @@ class Engine:
                        self.max_model_len - request.num_tokens)
             if min(request.num_spec_allowed, room) > 0:
                 candidates.append((request, min(request.num_spec_allowed, room)))
+        if self.draft is not None:
+            # Run even without candidates: the round's counters start from zero.
+            proposals, draft_probs = self.draft.propose(candidates)
+            for (request, _), proposal, probs in zip(candidates, proposals, draft_probs, strict=True):
+                request.spec_token_ids = proposal
+                request.spec_draft_probs = probs
+            return
         if not candidates:
             return
+        assert self.proposer is not None
         proposals = self.proposer.propose([r.all_token_ids for r, _ in candidates])
         for (request, k), proposal in zip(candidates, proposals, strict=True):
             request.spec_token_ids = proposal[:k]
@@ -240,6 +277,16 @@ class Engine:
             while self.requests[req_id].status in (RequestStatus.WAITING, RequestStatus.RUNNING):
                 self.step()
             self.release(req_id)
+        if self.draft is not None and self.speculative is not None:
+            # A draft model's catch-up, decode steps and the verify step: a few tokens decoded here.
+            max_tokens = self.speculative.num_speculative_tokens + 2
+            num_tokens = min(17, self.max_model_len - max_tokens)
+            if num_tokens > 0:
+                prompt = [(7 * i + 1) % vocab for i in range(num_tokens)]
+                self.add_request("warm-up-draft", prompt,
+                                 SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0, ignore_eos=True))
+                while "warm-up-draft" in self.requests:
+                    self.step()
 
     # -- prefill role -----------------------------------------------------------------------------------
     def read_pages(self, request: Request, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,12 @@ from tandem.common.config import CacheConfig, ConfigError, KVLayout, ModelConfig
 from tandem.kernels.fp8_kv import FP8_KV_DTYPE, gather_pages
 
 
+def as_bytes(pages: torch.Tensor) -> torch.Tensor:
+    """fp8 pages viewed as uint8 (same bytes) for gathers and copies, which torch does not implement for float8 on
+    every device; other dtypes unchanged."""
+    return pages.view(torch.uint8) if pages.dtype == FP8_KV_DTYPE else pages
+
+
 def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of the pages: the model's, or float8_e4m3fn for kv_cache_dtype "fp8" (which the attention
     kernels read on CUDA only from compute capability 8.9 on: Ada, Hopper)."""
@@ -35,10 +41,13 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 
 def num_blocks_to_allocate(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype,
-                           device: torch.device, max_model_len: int) -> int:
+                           device: torch.device, max_model_len: int, *, extra_bytes_per_block: int = 0,
+                           reserved_bytes: int = 0) -> int:
     """Explicit size, else what the memory budget holds for pages of `dtype`; at least one maximal request must
-    fit."""
-    per_block = bytes_per_block(model, cache.block_size, dtype)
+    fit. A second pool sized block for block with this one (a draft model's, `tandem.engine.draft`) shares the
+    budget: it takes `extra_bytes_per_block` more per block, and `reserved_bytes` are still to be allocated out of
+    the same budget (its extra blocks; on a GPU also the draft's weights)."""
+    per_block = bytes_per_block(model, cache.block_size, dtype) + extra_bytes_per_block
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     elif device.type == "cuda":
@@ -47,10 +56,10 @@ def num_blocks_to_allocate(model: ModelConfig, cache: CacheConfig, dtype: torch.
         # can share one device by each taking its own share; what others hold is respected through
         # `free`, less a margin for CUDA graphs and the allocator.
         used_here = torch.cuda.memory_reserved(device)
-        budget = min(int(total * cache.gpu_memory_fraction) - used_here, free - (2 << 30))
+        budget = min(int(total * cache.gpu_memory_fraction) - used_here, free - (2 << 30)) - reserved_bytes
         num_blocks = max(budget, 0) // per_block
     else:
-        num_blocks = cache.cpu_kv_bytes // per_block
+        num_blocks = max(cache.cpu_kv_bytes - reserved_bytes, 0) // per_block
     needed = -(-max_model_len // cache.block_size)
     if num_blocks < needed:
         raise ConfigError(

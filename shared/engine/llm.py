@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from tandem.common.config import EngineConfig
+from tandem.common.config import OFFLINE_BATCHED_TOKENS_CUDA, EngineConfig
 from tandem.common.errors import InvalidRequestError
 from tandem.common.sampling_params import SamplingParams
 from tandem.engine.engine import Engine
@@ -40,7 +40,10 @@ class RequestOutput:
 
 
 class LLM:
-    """Loads a model into one colocated engine and generates for batches of prompts."""
+    """Loads a model into one colocated engine and generates for batches of prompts.
+
+    `max_num_batched_tokens` defaults to OFFLINE_BATCHED_TOKENS_CUDA (16,384) on a GPU, the throughput choice of an
+    offline job, and to the served workers' default elsewhere."""
 
     def __init__(self, model: str, *, device: str = "cpu", dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256,
@@ -51,6 +54,8 @@ class LLM:
                  seed: int = 0, quantization: str | None = None, kv_cache_dtype: str = "auto",
                  cache_dir: Path | None = None) -> None:
         model_config = load_model_config(model, cache_dir=cache_dir)
+        if max_num_batched_tokens is None and enable_chunked_prefill and device.startswith("cuda"):
+            max_num_batched_tokens = OFFLINE_BATCHED_TOKENS_CUDA
         self.config = EngineConfig.create(
             model_config, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
             gpu_memory_fraction=gpu_memory_fraction, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

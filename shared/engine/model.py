@@ -52,13 +52,15 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = self.ops.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv
         k_scale, v_scale = self.k_scale, self.v_scale
-        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        # RoPE of q and k in place, then k and v into their pages (one kernel with the rope_store fusion).
+        q, k = self.ops.rope_store_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
+                                      k_scale, v_scale)
         for peer_layers, peer_slots in meta.kv_mirrors:
-            # The same K/V straight into a decode worker's pages: one more store, no copy afterwards. Its pool has
-            # our KV layout (dtype included), and fp8 scales are the same static values everywhere.
+            # The same K/V (k as rotated above) straight into a decode worker's pages: one more store, no copy
+            # afterwards. Its pool has our KV layout (dtype included), and fp8 scales are the same static values
+            # everywhere.
             peer_k, peer_v = peer_layers[self.layer_idx]
             self.ops.store_kv(k, v, peer_k, peer_v, peer_slots, k_scale, v_scale)
         if not meta.is_prefill:  # a pure decode step (what CUDA graphs capture)

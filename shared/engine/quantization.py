@@ -9,11 +9,14 @@
 Embeddings and the output head stay in the model's dtype (the head's error would reach every logit).
 
 Which kernel runs a layer follows the model's `Ops`: with the Triton ops, the Triton kernels
-(`int8_linear_triton`, `fp8_linear_triton`: on CUDA, or in Triton's interpreter in the kernel tests); with the
-torch ops on the CPU, int8 runs `int8_linear_cpu` (`torch._weight_int8pack_mm` over the int8 weights, bf16
-activations) and fp8 the reference `fp8_linear_ref`, which emulates the fp8 arithmetic in fp32 and dequantizes
-the weight on every call: it is there to check accuracy on a CPU, not for speed. Elsewhere (CUDA with
-use_triton=False) the references run.
+(`int8_linear_triton`, `fp8_linear_triton`: on CUDA, or in Triton's interpreter in the kernel tests). Each picks
+by the number of tokens M: up to $TANDEM_QUANT_SMALL_M (default 16, 0 = off) the weight-only small-M kernel
+(`small_m_linear_triton`, memory-bound decode; fp8 activations are not quantized there), above it the GEMMs
+described here. With the torch ops on the CPU, int8 runs `int8_linear_cpu` (`torch._weight_int8pack_mm` over the
+int8 weights, bf16 activations) and fp8 the reference `fp8_linear_torch` (by M like the kernels: `fp8_linear_ref`,
+which emulates the fp8 arithmetic in fp32, or at small M `fp8_weight_only_ref`), which dequantizes the weight on
+every call: it is there to check accuracy on a CPU, not for speed. Elsewhere (CUDA with use_triton=False) the
+references run.
 
 Scales are plain absmax, not `quantize_int8_weight`'s clip search: that search lowers the weight MSE by ~3%
 (its docstring), which is worth little at 8 bits, and costs ~30 s for SmolLM2-135M on a 2-core CPU at every load.
@@ -26,7 +29,7 @@ from torch import nn
 
 from tandem.common.config import ConfigError
 from tandem.engine.model import LlamaForCausalLM
-from tandem.kernels.quant_linear import QuantWeight, linear_function
+from tandem.kernels.quant_linear import QuantWeight, SmallMWorkspace, linear_function
 
 # The linears each decoder layer quantizes, by their names under the layer.
 QUANTIZED_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -52,6 +55,10 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", weight.scales)  # [N] float32
         self.register_buffer("bias", weight.bias)  # [N] or None
         self._linear = linear_function(weight.kind, backend)
+        # The Triton kernels' small-M path (decode: M <= $TANDEM_QUANT_SMALL_M, default 16) sums its split-K
+        # partials in the same launch with counters of this layer's own (allocated at the first eager call, before
+        # any CUDA graph capture); not a buffer: it is no weight, and never saved or counted.
+        self._workspace = SmallMWorkspace() if backend == "triton" else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kind: str, backend: str) -> QuantizedLinear:
@@ -63,6 +70,8 @@ class QuantizedLinear(nn.Module):
         return QuantWeight(self.kind, self.qweight, self.scales, None, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._workspace is not None:
+            return self._linear(x, self.qweight, self.scales, self.bias, workspace=self._workspace)
         return self._linear(x, self.qweight, self.scales, self.bias)
 
     def extra_repr(self) -> str:

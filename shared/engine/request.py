@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from tandem.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from tandem.engine.attention import KVLayer
 
 
@@ -70,6 +72,9 @@ class Request:
     # Speculative decoding: the proposals the next step verifies, how many it may propose (shrinks while
     # proposals are rejected), and its counters.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A draft model's proposals of an unseeded sampled request: the distribution each was drawn from, [k, V] on the
+    # device, for rejection sampling (None: exact-match verification).
+    spec_draft_probs: torch.Tensor | None = None
     num_spec_allowed: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -14,13 +14,13 @@ import torch
 from tandem.common.config import EngineConfig
 from tandem.engine.attention import AttentionMetadata
 from tandem.engine.cuda_graphs import DecodeGraphs
-from tandem.engine.kv_cache import KVCache, kv_cache_dtype, num_blocks_to_allocate
+from tandem.engine.kv_cache import KVCache, as_bytes, kv_cache_dtype, num_blocks_to_allocate
 from tandem.engine.model import LlamaForCausalLM
 from tandem.engine.request import KVMirror, Request
 from tandem.engine.rope import cos_sin_cache
 from tandem.engine.sampler import SamplingTensors, sample
 from tandem.engine.scheduler import SchedulerOutput
-from tandem.engine.spec_decode import pad_proposals, verify
+from tandem.engine.spec_decode import pad_proposals, verify_proposals
 from tandem.engine.weights import load_weights
 from tandem.kernels import Ops, get_ops, triton_available
 from tandem.kernels.cpu_linear import pack_linears
@@ -46,7 +46,10 @@ def select_ops(config: EngineConfig) -> Ops:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, ops: Ops | None = None) -> None:
+    def __init__(self, config: EngineConfig, ops: Ops | None = None, *, extra_kv_bytes_per_block: int = 0,
+                 reserved_kv_bytes: int = 0) -> None:
+        """`extra_kv_bytes_per_block`, `reserved_kv_bytes`: a draft model's pool shares the KV budget
+        (`num_blocks_to_allocate`)."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype: torch.dtype = getattr(torch, config.resolved_dtype)
@@ -63,7 +66,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         kv_dtype = kv_cache_dtype(config.cache, self.dtype, self.device)
-        num_blocks = num_blocks_to_allocate(model_config, config.cache, kv_dtype, self.device, self.max_model_len)
+        num_blocks = num_blocks_to_allocate(model_config, config.cache, kv_dtype, self.device, self.max_model_len,
+                                            extra_bytes_per_block=extra_kv_bytes_per_block,
+                                            reserved_bytes=reserved_kv_bytes)
         self.kv_cache = KVCache(model_config, self.block_size, num_blocks, kv_dtype, self.device)
         self.model.set_kv_scales(self.kv_cache.scales)
         self.kv_layers = self.kv_cache.layers
@@ -99,8 +104,10 @@ class ModelRunner:
         if any(num_spec):
             proposals = pad_proposals([r.spec_token_ids[:k] for r, k in zip(sampling, num_spec, strict=True)],
                                       max(num_spec), self.device)
+            # A draft model's proposals may carry the distribution they were sampled from (rejection sampling).
+            draft_probs = [r.spec_draft_probs if k else None for r, k in zip(sampling, num_spec, strict=True)]
             # The one host sync per step: the scheduler needs the tokens to apply stop rules.
-            return verify(logits, proposals, tensors).tolist()
+            return verify_proposals(logits, proposals, tensors, draft_probs).tolist()
         token_ids, logprobs = sample(logits, tensors)
         return [[t] for t in token_ids.tolist()], [[p] for p in logprobs.tolist()]
 
@@ -226,8 +233,8 @@ class ModelRunner:
         src = self._to_device(block_ids[first:end], torch.int64)
         dst = self._to_device(mirror.block_ids[first:end], torch.int64)
         for (k_dst, v_dst), (k_src, v_src) in zip(mirror.layers, self.kv_layers, strict=True):
-            k_dst.index_copy_(0, dst, k_src.index_select(0, src))
-            v_dst.index_copy_(0, dst, v_src.index_select(0, src))
+            as_bytes(k_dst).index_copy_(0, dst, as_bytes(k_src).index_select(0, src))
+            as_bytes(v_dst).index_copy_(0, dst, as_bytes(v_src).index_select(0, src))
 
     def _block_tables(self, requests: list[Request]) -> torch.Tensor:
         max_blocks = max(len(r.block_ids) for r in requests)

@@ -17,16 +17,18 @@ row j's token is the one one-at-a-time decoding emits there. The emitted run is 
 are the premise: a verify forward whose kernels round differently from the decode forward may flip a
 near-tie, as a recompute after preemption already may.)
 
-A draft model should draw its proposals with `sample` under the request's seed at each proposal's output
-position: sharing the exponential race's noise with the target's draw makes exact-match acceptance nearly
-that of rejection sampling (on a 50-token vocabulary, 0.59 against 0.63 where independent draws match 0.10),
-so identical output costs little acceptance.
+A draft model (`tandem.engine.draft`) draws its proposals with `sample` under the request's seed at each
+proposal's output position: sharing the exponential race's noise with the target's draw makes exact-match
+acceptance nearly that of rejection sampling (on a 50-token vocabulary, 0.59 against 0.63 where independent draws
+match 0.10), so identical output costs little acceptance.
 
 `rejection_sample` is the standard rule (Leviathan et al. 2023; Chen et al. 2023) for proposals a draft
 model sampled from its own distribution q: accept x with probability min(1, p(x) / q(x)), else draw from
 max(0, p - q) normalised. The emitted tokens follow the target's distribution p, but are not the tokens
 non-speculative decoding would emit; its random numbers still come from the counter-based generator
 (its own streams of the request's seed), so it too is reproducible and placement-free given the proposals.
+The engine uses it for a draft model's proposals of unseeded requests sampled with temperature > 0 only
+(`verify_proposals`: exact match for every other request of the same step).
 """
 
 from __future__ import annotations
@@ -278,6 +280,43 @@ def rejection_sample(logits: torch.Tensor, proposals: torch.Tensor, draft_probs:
     row_logprobs = (rows.logits.gather(1, row_token_ids[:, None]).squeeze(1)
                     - torch.logsumexp(rows.logits, dim=-1))
     return _emitted(token_ids, row_logprobs[rows.index], num_accepted)
+
+
+def select_requests(tensors: SamplingTensors, index: torch.Tensor) -> SamplingTensors:
+    """The sampling parameters of the requests at `index` [s]."""
+    return replace(tensors, temperatures=tensors.temperatures[index], top_ks=tensors.top_ks[index],
+                   top_ps=tensors.top_ps[index], seeds=tensors.seeds[index], positions=tensors.positions[index])
+
+
+def verify_proposals(logits: torch.Tensor, proposals: torch.Tensor, tensors: SamplingTensors | None,
+                     draft_probs: Sequence[torch.Tensor | None]) -> VerifyOutput:
+    """One verify step over requests verified two ways: `rejection_sample` for those whose proposals carry the
+    distribution the draft model drew them from (`draft_probs[s]`, [>= k_s, V]: an unseeded request sampled with
+    temperature > 0), exact match (`verify`) for every other (greedy, seeded, n-gram proposals).
+
+    Arguments as `verify`'s. The exact-match result is computed for every request (the rows of the others are then
+    overwritten): the sampler's pass over the step's logits is cheap next to the forward that made them.
+    """
+    exact = verify(logits, proposals, tensors)
+    chosen = [s for s, q in enumerate(draft_probs) if q is not None]
+    if tensors is None or not chosen:
+        return exact
+    num_seqs, k = proposals.shape
+    device = logits.device
+    index = torch.tensor(chosen, dtype=torch.int64, device=device)
+    # Their rows, padded to [s, K+1, V] (a request's rows past k_s repeat its last one: ignored).
+    rows = _Rows.of(logits, proposals)
+    q = torch.zeros(len(chosen), k, logits.shape[-1], dtype=torch.float32, device=device)
+    for row, s in enumerate(chosen):
+        probs = draft_probs[s]
+        assert probs is not None
+        q[row, :min(k, probs.shape[0])] = probs[:k]
+    rejected = rejection_sample(rows.logits[rows.index[index]], proposals[index], q, select_requests(tensors, index))
+    num_accepted, token_ids, logprobs = exact.num_accepted.clone(), exact.token_ids.clone(), exact.logprobs.clone()
+    num_accepted[index] = rejected.num_accepted
+    token_ids[index] = rejected.token_ids
+    logprobs[index] = rejected.logprobs
+    return VerifyOutput(num_accepted, token_ids, logprobs)
 
 
 # -- stop rules inside a verified run -----------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 
 from tandem.common.config import KVLayout
 from tandem.common.errors import LayoutMismatchError
+from tandem.engine.kv_cache import as_bytes
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -122,14 +123,14 @@ class PageExporter:
         def layer_done(layer: int) -> None:
             done: torch.cuda.Event | None = None
             if self.stream is None:
-                pages = self.cache[layer].index_select(1, index)  # [2, n, block_size, Hkv, D]
+                pages = as_bytes(self.cache[layer]).index_select(1, index).view(self.cache.dtype)  # [2, n, bs, Hkv, D]
             else:
                 computed = torch.cuda.Event()
                 computed.record()
                 pages = self._take_staging(len(block_ids))
                 with torch.cuda.stream(self.stream):
                     self.stream.wait_event(computed)
-                    pages.copy_(self.cache[layer].index_select(1, index), non_blocking=True)
+                    as_bytes(pages).copy_(as_bytes(self.cache[layer]).index_select(1, index), non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(self.stream)
             self._worker.submit(self._deliver, layer, pages, done, spans, deliver)

@@ -38,6 +38,9 @@ LOCAL_PREFILL_TOKENS = Counter("tandem_decode_local_prefill_tokens",
                                "transfer_failed, transfer_refused, unknown_prefill_worker, preemption)", ["reason"])
 SPEC_DRAFT_TOKENS = Counter("tandem_spec_decode_num_draft_tokens", "Speculative proposals verified")
 SPEC_ACCEPTED_TOKENS = Counter("tandem_spec_decode_num_accepted_tokens", "Speculative proposals accepted")
+SPEC_DRAFT_PROMPT_TOKENS = Counter("tandem_spec_decode_draft_prompt_tokens",
+                                   "Prompt tokens a draft model computed on this worker (its K/V of the prompt are "
+                                   "never shipped: computed here, also after a remote prefill)")
 PREFILL_PROMPT_TOKENS = Counter("tandem_prefill_prompt_tokens", "Prompt tokens a prefill worker computed")
 WORKERS_REFUSED = Gauge("tandem_gateway_workers_refused",
                         "Workers the gateway refuses because they serve another model")

@@ -30,6 +30,7 @@ from tandem.common.errors import (
     UnavailableError,
     error_type,
 )
+from tandem.serving.auth import TokenChannel
 
 log = logging.getLogger(__name__)
 
@@ -236,9 +237,10 @@ async def stop_server(
 
 
 def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 tls: TlsConfig | None = None) -> grpc.aio.Channel:
+                 tls: TlsConfig | None = None, internal_token: str | None = None) -> grpc.aio.Channel:
     """A channel to "host:port" with tandem's message-size limits and keepalive pings; TLS (presenting
-    this service's certificate, for mutual TLS) when `tls` is given, plaintext otherwise."""
+    this service's certificate, for mutual TLS) when `tls` is given, plaintext otherwise; every call carries
+    `internal_token` (the stack's, `tandem.serving.auth`) when given."""
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -249,22 +251,30 @@ def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTE
         ("grpc.http2.max_pings_without_data", 0),
     ]
     if tls is not None:
-        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
-    return grpc.aio.insecure_channel(address, options=options)
+        channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
+    else:
+        channel = grpc.aio.insecure_channel(address, options=options)
+    return channel if internal_token is None else TokenChannel(channel, internal_token)
 
 
 class ChannelPool:
-    """One channel per peer address, made on first use and kept (a channel reconnects by itself)."""
+    """One channel per peer address, made on first use and kept (a channel reconnects by itself); its calls
+    carry `internal_token` when given."""
 
-    def __init__(self, tls: TlsConfig | None = None) -> None:
+    def __init__(self, tls: TlsConfig | None = None, internal_token: str | None = None) -> None:
         self.tls = tls
+        self.internal_token = internal_token
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = make_channel(address, tls=self.tls)
+            channel = self._channels[address] = make_channel(address, tls=self.tls,
+                                                             internal_token=self.internal_token)
         return channel
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._channels
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

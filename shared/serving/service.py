@@ -8,12 +8,13 @@ import logging
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from tandem.common.config import ConfigError
 from tandem.serving import metrics
+from tandem.serving.auth import InternalTokenInterceptor, require_auth_beyond_loopback, validate_token
 from tandem.serving.registry import RedisRegistry, WorkerRecord
 from tandem.serving.rpc import DEFAULT_MAX_MESSAGE_BYTES, AddServicers, TlsConfig, start_server, stop_server
 from tandem.serving.telemetry import SERVICE_NAMES, setup_tracing
@@ -45,6 +46,11 @@ class ServiceOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # TLS on the gRPC port and on this service's calls to others; None: plaintext (the loopback default).
     tls: TlsConfig | None = None
+    # The stack's shared secret (`tandem.serving.auth`): a worker requires it on every call (but health checks and
+    # reflection), and every service sends it on its calls to workers. None: no token (loopback, or mutual TLS).
+    internal_token: str | None = field(default=None, repr=False)
+    # A worker beyond loopback with neither a token nor mutual TLS refuses to start unless this is set.
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ("gateway", "prefill", "decode"):
@@ -54,6 +60,28 @@ class ServiceOptions:
         if self.max_concurrent_streams < 1 or self.max_message_bytes < 1:
             raise ConfigError(f"max_concurrent_streams and max_message_bytes must be at least 1, got "
                               f"{self.max_concurrent_streams}, {self.max_message_bytes}")
+        if self.internal_token is not None:
+            validate_token(self.internal_token, "internal_token")
+        if self.role != "gateway":  # the gateway's port is public: its clients bring API keys, not this token
+            require_auth_beyond_loopback(self.role, self.host, self.internal_token, self.mutual_tls, self.insecure)
+
+    @property
+    def mutual_tls(self) -> bool:
+        """Whether this service's port requires client certificates signed by the stack's CA."""
+        return self.tls is not None and self.tls.ca_file is not None and self.tls.client_auth
+
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        """What guards this service's port for the stack: a worker with a token requires it on every call."""
+        if self.role == "gateway" or self.internal_token is None:
+            return []
+        return [InternalTokenInterceptor(self.internal_token)]
+
+    def describe_auth(self) -> str:
+        parts = ["internal token" if self.internal_token else "", "mutual TLS" if self.mutual_tls else ""]
+        described = " + ".join(p for p in parts if p)
+        if described:
+            return described
+        return "none (--insecure)" if self.insecure else "none (loopback only)"
 
     def advertised(self, bound_port: int) -> str:
         if self.advertise:
@@ -80,10 +108,13 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
     # Tracing (off unless OTEL_* asks for it) is set up first: the servicers' tracers are proxies that
     # record from then on. Replicas share a service.name; the instance id tells them apart.
     tracer_provider = setup_tracing(SERVICE_NAMES[options.role], instance_id=options.advertised(options.port))
+    # The internal token first: a call without it is refused before any other interceptor looks at it.
     server, port, health = await start_server(f"{options.host}:{options.port}", add_servicers, tls=options.tls,
                                               max_concurrent_streams=options.max_concurrent_streams,
                                               max_message_bytes=options.max_message_bytes,
-                                              interceptors=interceptors)
+                                              interceptors=[*options.server_interceptors(), *interceptors])
+    if options.role != "gateway":
+        log.info("%s: service-to-service authentication: %s", options.role, options.describe_auth())
     if start_http is not None:
         http_port = await start_http(options.host, options.http_port)
     else:

@@ -90,3 +90,74 @@ def test_prefill_ops_capture() -> None:
                 ref.prefill_attention(q, k, v, cu_seqlens, 30, 0.2))
     for got, want in zip(outs, expected, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_rope_store_kv_captures_like_the_unfused_pair() -> None:
+    """The fused RoPE + KV store under capture: each replay rotates the new q/k and stores k/v at the new slots,
+    bit for bit what rotary_embedding then store_kv write."""
+    fused, unfused = get_ops("triton", "all"), get_ops("triton", "none")
+    device = torch.device("cuda")
+    num_tokens, num_q_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 8, 2, 64, 16, 32
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, device=device)
+    static_qkv = qkv.clone()
+    q, k, v = static_qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(num_tokens, -1, head_dim) for x in (q, k, v))
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    cos_sin = torch.randn(256, head_dim, device=device)
+    positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+
+    fused.rope_store_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused.rope_store_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
+    for step in range(3):
+        positions.copy_(torch.randint(0, 256, (num_tokens,)))
+        slots.copy_(torch.randperm(num_blocks * block_size)[:num_tokens])
+        slots[step] = -1  # a padding token
+        static_qkv.copy_(qkv + step)
+        expected_qkv = static_qkv.clone()
+        expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
+        eq, ek, ev = expected_qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=-1)
+        unfused.rope_store_kv(positions, eq.view(q.shape), ek.view(k.shape), ev.view(v.shape), cos_sin,
+                              expected_k_cache, expected_v_cache, slots)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_qkv, expected_qkv)
+        assert torch.equal(k_cache, expected_k_cache) and torch.equal(v_cache, expected_v_cache)
+
+
+def test_combine_in_kernel_replays_like_the_combine_launch() -> None:
+    """The split kernel that merges its own splits (attn_combine), at a Llama-8B group shape with many splits,
+    captured and replayed many times: every replay equals the two-launch result (a split read before its writer
+    finished, or a counter left armed, would show as a difference far above bf16's rounding)."""
+    from tandem.kernels.paged_decode_attention import paged_decode_attention_triton
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, num_splits = 2, 32, 8, 128, 16, 32
+    blocks_per_seq = 2048 // block_size
+    k_cache = torch.randn(num_seqs * blocks_per_seq, block_size, num_kv_heads, head_dim, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_seqs * blocks_per_seq, device=device).view(num_seqs, -1).int()
+    context_lens = torch.tensor([2048, 1000], dtype=torch.int32, device=device)
+    q = torch.randn(num_seqs, num_q_heads, head_dim, device=device, dtype=dtype)
+
+    def attend(combine_in_kernel: bool) -> torch.Tensor:
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, head_dim ** -0.5,
+                                             num_splits=num_splits, combine_in_kernel=combine_in_kernel)
+
+    attend(True)  # compile, and the arrival counters, outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend(True)
+    for step in range(200):
+        q.copy_(torch.randn_like(q))
+        if step % 50 == 0:
+            context_lens.copy_(torch.randint(0, 2049, (num_seqs,), dtype=torch.int32))
+        expected = attend(False)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2, msg=lambda m, s=step: f"replay {s}: {m}")

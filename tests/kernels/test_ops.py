@@ -11,23 +11,64 @@ import torch
 
 from tandem.kernels import Ops, get_ops, triton_available
 from tandem.kernels import _triton as guarded_triton
+from tandem.kernels.ops import FUSIONS, FUSIONS_ENV, OPT_IN_FUSIONS, fusions_label, parse_fusions
 
-OP_NAMES = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "store_kv",
+OP_NAMES = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "store_kv", "rope_store_kv",
             "prefill_attention", "paged_decode_attention", "paged_prefill_attention"]
+FUSED_OPS = {"rope_store": "rope_store_kv", "add_norm": "fused_add_rms_norm"}  # fusion -> the op it implements
+# Opt-in fusion -> (its op, the op's function name with the fusion on).
+OPT_IN_OPS = {"attn_combine": ("paged_decode_attention", "paged_decode_attention_one_launch")}
 
 
-def test_backends_expose_every_op() -> None:
+def test_backends_expose_every_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(FUSIONS_ENV, raising=False)
     fields = [f.name for f in dataclasses.fields(Ops)]
-    assert fields == ["name", *OP_NAMES]
+    assert fields == ["name", *OP_NAMES, "fusions"]
     torch_ops = get_ops("torch")
-    assert torch_ops.name == "torch"
+    assert torch_ops.name == "torch" and torch_ops.fusions == frozenset()
     assert all(getattr(torch_ops, op).__name__ == f"{op}_ref" for op in OP_NAMES)
+    assert get_ops("torch", "none") is torch_ops  # the references are the same arithmetic either way
     if guarded_triton.HAS_TRITON:
         triton_ops = get_ops("triton")
-        assert triton_ops.name == "triton"
+        assert triton_ops.name == "triton" and triton_ops.fusions == set(FUSIONS) == set(FUSED_OPS)
         assert all(getattr(triton_ops, op).__name__ == f"{op}_triton" for op in OP_NAMES)
+        assert get_ops("triton", "all") is triton_ops
     with pytest.raises(dataclasses.FrozenInstanceError):
         torch_ops.name = "other"  # type: ignore[misc]
+
+
+@pytest.mark.skipif(not guarded_triton.HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("spec", ["none", "rope_store", "add_norm", "all", "rope_store+add_norm", "attn_combine",
+                                  "all+attn_combine"])
+def test_each_fusion_switches_one_op(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fusion off: its op is the unfused kernels one after the other (for an opt-in one: the plain kernel); every
+    other op is the same."""
+    chosen = parse_fusions(spec)
+    monkeypatch.setenv(FUSIONS_ENV, spec)
+    ops = get_ops("triton")
+    assert ops.fusions == chosen and ops is get_ops("triton", chosen)
+    assert parse_fusions(fusions_label(chosen)) == chosen
+    for op in OP_NAMES:
+        fused_by = [fusion for fusion, fused_op in FUSED_OPS.items() if fused_op == op]
+        expected = f"{op}_unfused" if fused_by and fused_by[0] not in chosen else f"{op}_triton"
+        for fusion, (opt_in_op, name) in OPT_IN_OPS.items():
+            if op == opt_in_op and fusion in chosen:
+                expected = name
+        assert getattr(ops, op).__name__ == expected, op
+
+
+def test_fusion_names_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_fusions("all") == parse_fusions(" rope_store , add_norm ") == frozenset(FUSIONS)
+    assert parse_fusions("none") == parse_fusions("") == parse_fusions([]) == frozenset()
+    assert fusions_label(frozenset()) == "none" and fusions_label(frozenset(FUSIONS)) == "all"
+    assert set(OPT_IN_OPS) == set(OPT_IN_FUSIONS) and not set(OPT_IN_FUSIONS) & parse_fusions("all")
+    assert fusions_label(parse_fusions("attn_combine,rope_store,add_norm")) == "all+attn_combine"
+    assert fusions_label(parse_fusions("attn_combine+add_norm")) == "add_norm+attn_combine"
+    with pytest.raises(ValueError, match="unknown fusion 'rope'"):
+        parse_fusions("rope,add_norm")
+    monkeypatch.setenv(FUSIONS_ENV, "add-norm")
+    with pytest.raises(ValueError, match="unknown fusion 'add-norm'"):
+        get_ops("torch")
 
 
 def test_unknown_backend_is_rejected() -> None:

@@ -178,3 +178,30 @@ def test_fp8_scales_checked(op: str, device: torch.device, request: pytest.Fixtu
         fn(q, k8, v8, block_tables, lens, 0.25, k_scale=k_scale, v_scale=v_scale[:1])
     with pytest.raises(ValueError, match="k_scale is only for"):
         fn(q, k_cache, v_cache, block_tables, lens, 0.25, k_scale=k_scale, v_scale=v_scale)
+
+
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize("is_fp8", [False, True], ids=["same_dtype", "fp8"])
+@pytest.mark.parametrize("heads", [(4, 2, 32), (9, 3, 48)], ids=str)
+def test_combine_in_kernel_equals_the_combine_launch(heads: tuple[int, int, int], is_fp8: bool,
+                                                     device: torch.device) -> None:
+    """The last split of each (sequence, kv head) merging in the split kernel: the combine kernel's output bit for
+    bit (the same code), padding rows and empty splits included, and its arrival counters left at zero for the
+    next launch (what a CUDA graph's replay relies on)."""
+    from tandem.kernels import paged_decode_attention as module
+
+    q, k_cache, v_cache, block_tables, lens = _paged([1, 17, 40, 0, 23], 8, *heads, torch.float32, device)
+    scales: dict[str, torch.Tensor] = {}
+    if is_fp8:
+        k_cache, v_cache, k_scale, v_scale = _fp8(k_cache, v_cache)
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
+    args = (q, k_cache, v_cache, block_tables, lens, heads[2] ** -0.5)
+    for num_splits in (1, 3, 8):  # one pass (nothing to merge), splits, splits mostly empty
+        two_launches = paged_decode_attention_triton(*args, num_splits=num_splits, **scales)
+        for _ in range(2):  # the second launch reuses the rearmed counters
+            one_launch = paged_decode_attention_triton(*args, num_splits=num_splits, combine_in_kernel=True,
+                                                       **scales)
+            assert torch.equal(one_launch, two_launches), num_splits
+        if num_splits > 1:
+            counters = module._COUNTERS.get(q.device)
+            assert counters is not None and not bool(counters.any())

@@ -93,9 +93,9 @@ def test_chunked_prefill_and_a_small_pool_with_speculation(tmp_path: Path) -> No
     assert spec.engine.num_free_blocks == spec.engine.num_total_blocks
 
 
-def test_unsupported_methods_are_refused(tmp_path: Path) -> None:
+def test_bad_speculative_configs_are_refused(tmp_path: Path) -> None:
     save_random_hf_model(tmp_path)
-    with pytest.raises(ConfigError, match="draft_model"):
+    with pytest.raises(ConfigError, match="^model: the draft model 'dummy:tiny' has a vocabulary"):
         LLM(str(tmp_path), max_model_len=64, speculative_config={"method": "draft_model", "model": "dummy:tiny",
                                                                  "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match="unsupported key"):

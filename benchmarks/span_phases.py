@@ -1,0 +1,91 @@
+"""Where a request's time to first token goes, from the spans the services export.
+
+    OTEL_TRACES_EXPORTER=console python -m tandem.benchmarks.serve_modes ...   # spans into the service logs
+    python -m tandem.benchmarks.span_phases $TANDEM_HOME/logs/<run> --out phases.json
+
+Reads every span the console exporter wrote into the logs of one `tandem up` run (gateway, prefill and decode
+workers), groups them by trace (one request), and reports for each span name the median and p90 of its start
+(ms after the request's first span began) and of its duration, over the requests that have it, and the same
+for each span event (offset from the request's start), so that a time-to-first-token can be read as a sequence
+of phases: tokenize, route, decode admission (blocks reserved), the KV transfer (the prefill worker's queue and
+forward inside it), the first token's way back. A table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+
+def read_spans(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of the console exporter in one log (each starts at a line `{` followed by `"name"`)."""
+    spans, decoder = [], json.JSONDecoder()
+    text = path.read_text(errors="replace")
+    start = text.find('{\n    "name"')
+    while start >= 0:
+        try:
+            span, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            end = start + 1
+        else:
+            if isinstance(span, dict) and "context" in span:
+                spans.append(span)
+        start = text.find('{\n    "name"', end)
+    return spans
+
+
+def _t(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def phases(spans: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    traces: dict[str, list[dict[str, Any]]] = {}
+    for span in spans:
+        traces.setdefault(span["context"]["trace_id"], []).append(span)
+    rows: dict[str, dict[str, list[float]]] = {}
+    for trace in traces.values():
+        origin = min(_t(s["start_time"]) for s in trace)
+        for span in trace:
+            service = span.get("resource", {}).get("attributes", {}).get("service.name", "?")
+            name = f"{service}:{span['name']}"
+            start, end = _t(span["start_time"]), _t(span["end_time"])
+            row = rows.setdefault(name, {"start": [], "duration": []})
+            row["start"].append((start - origin) * 1e3)
+            row["duration"].append((end - start) * 1e3)
+            for event in span.get("events", []):
+                event_row = rows.setdefault(f"{name} @{event['name']}", {"start": [], "duration": []})
+                event_row["start"].append((_t(event["timestamp"]) - origin) * 1e3)
+    out = {}
+    for name, row in rows.items():
+        starts, durations = sorted(row["start"]), sorted(row["duration"])
+        out[name] = {"count": len(starts), "start_ms_p50": statistics.median(starts),
+                     "start_ms_p90": starts[int(0.9 * (len(starts) - 1))]}
+        if durations:
+            out[name] |= {"duration_ms_p50": statistics.median(durations),
+                          "duration_ms_p90": durations[int(0.9 * (len(durations) - 1))]}
+    return dict(sorted(out.items(), key=lambda item: item[1]["start_ms_p50"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("logs", type=Path, help="a `tandem up` run's log folder")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    spans = [span for log in sorted(args.logs.glob("*.log")) for span in read_spans(log)]
+    table = phases(spans)
+    if args.out is not None:
+        args.out.write_text(json.dumps({"benchmark": "span_phases", "logs": str(args.logs), "num_spans": len(spans),
+                                        "phases": table}, indent=1))
+    print(f"{len(spans)} spans; ms from the request's first span (median / p90)")
+    print(f"{'span':60s} {'start':>15s} {'duration':>15s}")
+    for name, row in table.items():
+        duration = f"{row['duration_ms_p50']:7.2f}/{row['duration_ms_p90']:7.2f}" if "duration_ms_p50" in row else ""
+        print(f"{name[:60]:60s} {row['start_ms_p50']:7.2f}/{row['start_ms_p90']:7.2f} {duration:>15s}")
+
+
+if __name__ == "__main__":
+    main()
