@@ -59,7 +59,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="the serving default on a GPU")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="default: a served worker's on the device")
     parser.add_argument("--no-chunked-prefill", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
@@ -69,10 +70,13 @@ def main() -> None:
     import triton
 
     import tandem
+    from tandem.common.config import default_batched_tokens
     from tandem.engine.llm import LLM  # imports torch: after the arguments are checked
     chunked = not args.no_chunked_prefill
     max_model_len = args.prompt_len + args.output_len + 16
-    budget = args.max_num_batched_tokens if chunked else max(args.max_num_batched_tokens, max_model_len)
+    budget = args.max_num_batched_tokens or default_batched_tokens(args.device, chunked)
+    if not chunked:
+        budget = max(budget, max_model_len)
     llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
               enable_chunked_prefill=chunked, max_model_len=max_model_len)
     engine = llm.engine
@@ -138,7 +142,7 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
-    mode = "chunked" if chunked else "whole"
+    mode = f"chunked ({budget} tokens a step)" if chunked else "whole"
     print(f"{mode} at {args.rate} req/s: TTFT p50 {summary['ttft_ms']['p50']:.1f} ms, p99 "
           f"{summary['ttft_ms']['p99']:.1f} ms; TPOT p50 {summary['tpot_ms']['p50']:.2f} ms")
     for kind, row in summary["steps"].items():

@@ -102,13 +102,16 @@ class RequestRunner:
                         raise event.error
                     assert isinstance(event, TokenEvent)
                     self.traces.on_event(req_id, event)
-                    response = worker_pb2.DecodeResponse(
-                        token_ids=event.token_ids, logprobs=event.logprobs,
-                        finish_reason=finish_reason_to_proto(event.finish_reason) if event.finish_reason else 0,
-                        num_local_prefill_tokens=sum(event.local_prefill_tokens.values()),
-                        num_cached_tokens=event.num_cached_tokens)
-                    for reason, num_tokens in event.local_prefill_tokens.items():
-                        metrics.LOCAL_PREFILL_TOKENS.labels(reason=reason).inc(num_tokens)
+                    # Per request per step: only the fields a decoding request's update sets (the rest read as 0).
+                    response = worker_pb2.DecodeResponse(token_ids=event.token_ids, logprobs=event.logprobs)
+                    if event.finish_reason:
+                        response.finish_reason = finish_reason_to_proto(event.finish_reason)  # type: ignore[assignment]
+                    if event.num_cached_tokens:
+                        response.num_cached_tokens = event.num_cached_tokens
+                    if event.local_prefill_tokens:
+                        response.num_local_prefill_tokens = sum(event.local_prefill_tokens.values())
+                        for reason, num_tokens in event.local_prefill_tokens.items():
+                            metrics.LOCAL_PREFILL_TOKENS.labels(reason=reason).inc(num_tokens)
                     if event.finish_reason is not None:
                         # Counted before the last message goes out: the gateway cancels the call once it has it,
                         # and this generator may never resume after the `yield`.

@@ -9,8 +9,8 @@ decode-latency --fusions ...`); the model's code does not change with them:
     add_norm      fused_add_rms_norm: the residual add inside the RMSNorm kernel (unfused: a torch add, then
                   rms_norm)
     attn_combine  paged_decode_attention with context splits: the last split of each (sequence, kv head) merges
-                  them in the split kernel (unfused: a second, combine kernel). Opt-in, not in "all": not yet run
-                  nor measured on a GPU (its cross-program memory ordering cannot be checked in the interpreter)
+                  them in the split kernel (unfused: a second, combine kernel). Opt-in, not in "all": on an H200
+                  it matched the reference path but was 3-6% slower per decode step (results README, fusions)
 
 `get_ops("triton", fusions)` takes "all" (rope_store and add_norm: the default), "none", or names joined by "," or
 "+" ("all+attn_combine"); without `fusions`, from $TANDEM_FUSIONS (the same syntax), which reaches every engine a

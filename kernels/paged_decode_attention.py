@@ -57,7 +57,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
-@triton.jit
+# Not specialised on the split count or the block tables' width (both vary between eager steps and the captured
+# graphs): one compiled variant per (BLOCK_SPLITS, IS_SINGLE_SPLIT), which the engine's warm-up compiles.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, lse_ptr, final_ptr, counters_ptr,

@@ -91,7 +91,9 @@ def _attend_tiles(acc, l_i, m_i, q, k_head_ptr, v_head_ptr, block_table_ptr,
     return acc, l_i, m_i
 
 
-@triton.jit
+# Not specialised on the block tables' width (the longest sequence's blocks, different every step): one compiled
+# variant per launch configuration, which the engine's warm-up compiles before serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, scale_log2,

@@ -781,7 +781,7 @@ def fp8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, w_scales: torch.Tenso
 
 SMALL_M_LIMIT = 16  # the largest M the small-M kernel takes (its tensor-core tile pads M to 16)
 _MAX_SPLIT_K = 32
-SMALL_M_ENV = "TANDEM_QUANT_SMALL_M"  # max M of the small-M path; 0 turns it off (default 16)
+SMALL_M_ENV = "TANDEM_QUANT_SMALL_M"  # max M of the small-M path; 0 turns it off (default: SMALL_M_DEFAULT_MAX_M)
 FMA_MAX_M_ENV = "TANDEM_QUANT_FMA_MAX_M"  # max M of its CUDA-core variant; larger M use the tensor cores (default 1)
 FUSED_REDUCE_ENV = "TANDEM_QUANT_FUSED_REDUCE"  # 0: split-K partials summed by a second kernel (default 1)
 PROGRAMS_PER_SM_ENV = "TANDEM_QUANT_PROGRAMS_PER_SM"  # split-K target; default 4 (CUDA cores) / 2 (tensor cores)
@@ -817,10 +817,10 @@ def _env_int(name: str, default: int, low: int, high: int) -> int:
 @functools.lru_cache(maxsize=1)
 def small_m_settings() -> SmallMSettings:
     """The small-M path's switches, read once from the environment (`small_m_settings.cache_clear()` re-reads:
-    the benchmarks flip them in one process). $TANDEM_QUANT_SMALL_M: the largest M that takes it (0: never,
-    default 16); $TANDEM_QUANT_FMA_MAX_M: the largest M on the CUDA cores (0: always tensor cores, default 1);
-    $TANDEM_QUANT_FUSED_REDUCE=0: a second kernel sums the split-K partials; $TANDEM_QUANT_PROGRAMS_PER_SM:
-    the split-K target. A CUDA graph keeps the path it was captured with."""
+    the benchmarks flip them in one process). $TANDEM_QUANT_SMALL_M: the largest M that takes it (0: never;
+    default SMALL_M_DEFAULT_MAX_M by kind); $TANDEM_QUANT_FMA_MAX_M: the largest M on the CUDA cores (0: always
+    tensor cores, default 1); $TANDEM_QUANT_FUSED_REDUCE=0: a second kernel sums the split-K partials;
+    $TANDEM_QUANT_PROGRAMS_PER_SM: the split-K target. A CUDA graph keeps the path it was captured with."""
     per_sm = _env_int(PROGRAMS_PER_SM_ENV, 0, 0, 64)
     max_m = _env_int(SMALL_M_ENV, -1, 0, SMALL_M_LIMIT)
     return SmallMSettings(max_m=None if max_m < 0 else max_m,

@@ -136,12 +136,15 @@ def _worker(role: str, service: dict[str, object], engine: dict[str, object], th
 
     import torch
 
-    from tandem.common.config import EngineConfig
+    from tandem.common.config import EngineConfig, default_batched_tokens
     from tandem.models import load_model_config
 
     if threads:
         torch.set_num_threads(threads)
     model = str(engine.pop("model"))
+    if engine.get("max_num_batched_tokens") is None:
+        engine["max_num_batched_tokens"] = default_batched_tokens(str(engine.get("device", "cpu")),
+                                                                  bool(engine.get("enable_chunked_prefill")), role)
     config = EngineConfig.create(load_model_config(model), **engine)  # type: ignore[arg-type]
     if role == "prefill":
         from tandem.prefill_svc.server import serve as serve_prefill
@@ -168,7 +171,8 @@ MaxNumSeqsOpt = Annotated[int, typer.Option(help="Requests per step at most.", r
 GpuFractionOpt = Annotated[float, typer.Option(help="Share of the GPU this worker may use.",
                                                rich_help_panel=EngineGroup)]
 BatchedTokensOpt = Annotated[int | None, typer.Option(
-    help="Token budget of one step (decode tokens + prompt chunks); default: the device's (512 GPU, 256 CPU).",
+    help="Token budget of one step (decode tokens + prompt chunks); default: the device's (GPU: 2048, 8192 on a "
+         "prefill worker; CPU: 256).",
     rich_help_panel=EngineGroup)]
 ChunkedOpt = Annotated[bool, typer.Option(
     "--chunked-prefill/--no-chunked-prefill",

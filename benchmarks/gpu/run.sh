@@ -230,6 +230,31 @@ span_phases() {  # MODE: the serve benchmark at 2 req/s with every span printed 
     step "phases-$1" 60 $PY -m tandem.benchmarks.span_phases "$logs" --out "$OUT/phases-$1.json"
 }
 
+# After the budget and warm-up changes: the engine alone at 2 req/s (no compile while serving?), the colocated serve
+# benchmark at the default budget over every rate, the 32k prompt among streams, and the disaggregated stack: its
+# phases at 2 req/s and the serve benchmark over every rate (colocated vs disaggregated, issue #14's table).
+suite_final() {
+    step step-trace-default 150 $PY -m tandem.benchmarks.step_trace --model "$BIG" --device "$DEVICE" --rate 2 \
+        --num-requests "$(n 48 6)" --prompt-len "$(n 1024 64)" --output-len "$(n 256 8)" \
+        --out "$OUT/step-trace-default.json"
+    serve_chunks chunked-default "" 200
+    long_prompt chunked-default ""
+    span_phases disagg
+    step serve-disagg-all 200 $PY -m tandem.benchmarks.serve_modes --mode disagg --model "$BIG" --device "$DEVICE" \
+        --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" --num-requests "$(n 128 4)" \
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-disagg-all.json"
+}
+
+# The 32k prompt among 64 streams at the default budget (chunks shrink past LONG_CONTEXT_TOKENS of context).
+suite_long() {
+    long_prompt chunk-limit ""
+}
+
+# One row of the stack suite again (after a change of the decode worker's per-token work).
+suite_stack_check() {
+    stack_row 1b-1024-w4-after "$SMALL" 256 1024 4
+}
+
 for suite in "$@"; do
     if ! declare -F "suite_$suite" > /dev/null; then
         echo "unknown suite $suite (kernels, engine, stack, disagg, disagg_recheck, chunked, quant, spec, prefix)"; exit 2

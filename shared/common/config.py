@@ -127,11 +127,16 @@ class CacheConfig:
             raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
 
-# Default token budget of a step with chunked prefill, by device. From measured step times (docs/architecture.md,
-# "Chunked prefill"): on an H200, Llama-3.1-8B computes ~1,024 prompt tokens in 24 ms and decodes a batch of 64
-# in ~8 ms, so a 512-token chunk keeps a mixed step near 2.5x a decode step; on the 2-core CPU, see the same
-# section for SmolLM2-135M.
-DEFAULT_BATCHED_TOKENS = {"cuda": 512, "cpu": 256}
+# Default token budget of a step with chunked prefill, by device. On an H200 with Llama-3.1-8B an eager step with
+# prompt tokens costs ~23 ms whether it holds 512 or 1,024 of them (`benchmarks/results/h200-2026-12-01/
+# step-trace-*.json`: below ~1k tokens the step is bound by its fixed cost, not the GPU's compute), so 512-token
+# chunks doubled the TTFT of 1,024-token prompts at 2 req/s (97 against 33 ms); 2,048 takes such prompts in one step
+# and still cuts a 32k-token prompt into ~45 ms steps. On the 2-core CPU, see docs/architecture.md ("Chunked
+# prefill") for SmolLM2-135M.
+DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 256}
+# A prefill worker's on a GPU: no decode tokens share its steps, so its budget only bounds activation memory and
+# batches concurrent prompts (a 32k prompt still runs in 4 chunks).
+PREFILL_BATCHED_TOKENS_CUDA = 8192
 # The offline `LLM`'s on a GPU, where nobody waits between tokens: throughput wants big steps (H200, llama-3.1-8b,
 # 256 x (1,024, 128): 2,494 tok/s at 512, 3,608 at 16,384, 3,659 with whole prompts). Served workers keep the
 # smaller budget above, which bounds the inter-token latency of the requests a chunk shares its step with.
@@ -167,9 +172,16 @@ class SchedulerConfig:
         """With the token budget chosen for `device` when none was given."""
         if self.max_num_batched_tokens is not None:
             return self
-        default = (DEFAULT_BATCHED_TOKENS["cpu" if device == "cpu" else "cuda"] if self.enable_chunked_prefill
-                   else DEFAULT_BATCHED_TOKENS_UNCHUNKED)
-        return replace(self, max_num_batched_tokens=default)
+        return replace(self, max_num_batched_tokens=default_batched_tokens(device, self.enable_chunked_prefill))
+
+
+def default_batched_tokens(device: str, enable_chunked_prefill: bool = True, role: str = "decode") -> int:
+    """A step's token budget when none is given: by device, and larger on a GPU prefill worker."""
+    if not enable_chunked_prefill:
+        return DEFAULT_BATCHED_TOKENS_UNCHUNKED
+    if device == "cpu":
+        return DEFAULT_BATCHED_TOKENS["cpu"]
+    return PREFILL_BATCHED_TOKENS_CUDA if role == "prefill" else DEFAULT_BATCHED_TOKENS["cuda"]
 
 
 # The compute dtypes a worker may run with (`EngineConfig.dtype`).

@@ -267,7 +267,11 @@ class Engine:
         specialise on lengths that are and are not multiples of 16), the sampler and, in every role, a release.
         The decode path was warmed when its CUDA graphs were captured."""
         vocab = self.config.model.vocab_size
-        for num_tokens in (16, 17):
+        self.runner.warm_up_attention()
+        # Whole prompts through the model: GEMM shapes and the kernels' remaining variants (on a GPU, lengths
+        # across the contiguous attention's tile sizes too).
+        lengths = (16, 17, 33, 65, 129) if self.runner.device.type == "cuda" else (16, 17)
+        for num_tokens in lengths:
             if num_tokens >= self.max_model_len:
                 continue
             req_id = f"warm-up-{num_tokens}"

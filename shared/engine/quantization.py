@@ -10,7 +10,7 @@ Embeddings and the output head stay in the model's dtype (the head's error would
 
 Which kernel runs a layer follows the model's `Ops`: with the Triton ops, the Triton kernels
 (`int8_linear_triton`, `fp8_linear_triton`: on CUDA, or in Triton's interpreter in the kernel tests). Each picks
-by the number of tokens M: up to $TANDEM_QUANT_SMALL_M (default 16, 0 = off) the weight-only small-M kernel
+by the number of tokens M: up to $TANDEM_QUANT_SMALL_M (by kind: fp8 4, int8 0 = off) the weight-only small-M kernel
 (`small_m_linear_triton`, memory-bound decode; fp8 activations are not quantized there), above it the GEMMs
 described here. With the torch ops on the CPU, int8 runs `int8_linear_cpu` (`torch._weight_int8pack_mm` over the
 int8 weights, bf16 activations) and fp8 the reference `fp8_linear_torch` (by M like the kernels: `fp8_linear_ref`,
@@ -55,7 +55,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", weight.scales)  # [N] float32
         self.register_buffer("bias", weight.bias)  # [N] or None
         self._linear = linear_function(weight.kind, backend)
-        # The Triton kernels' small-M path (decode: M <= $TANDEM_QUANT_SMALL_M, default 16) sums its split-K
+        # The Triton kernels' small-M path (decode: M <= $TANDEM_QUANT_SMALL_M, 4 for fp8 by default) sums its split-K
         # partials in the same launch with counters of this layer's own (allocated at the first eager call, before
         # any CUDA graph capture); not a buffer: it is no weight, and never saved or counted.
         self._workspace = SmallMWorkspace() if backend == "triton" else None

@@ -170,21 +170,26 @@ class ModelRunner:
     def prepare_decode(self, requests: list[Request]) -> DecodeInputs:
         """The step's inputs as host tensors (pinned when the model is on a GPU, so that their copies to
         the device are asynchronous)."""
-        input_ids, positions, slots, context_lens = [], [], [], []
+        bs = self.block_size
         max_blocks = max(len(r.block_ids) for r in requests)
-        block_tables = []
+        padding = [0] * max_blocks
+        input_ids, positions, slots, context_lens = [], [], [], []
+        block_tables: list[int] = []  # [S * max_blocks], flat: one list to convert, not one per request
         for request in requests:
-            position = request.num_tokens - 1  # the last token's K/V is written this step
+            block_ids = request.block_ids
+            num_tokens = request.num_tokens
+            position = num_tokens - 1  # the last token's K/V is written this step
             input_ids.append(request.last_token_id)
             positions.append(position)
-            slots += self._slots(request, position, position + 1)
-            context_lens.append(request.num_tokens)
-            block_tables.append(request.block_ids + [0] * (max_blocks - len(request.block_ids)))
+            slots.append(block_ids[position // bs] * bs + position % bs)  # `_slots` of one position
+            context_lens.append(num_tokens)
+            block_tables += block_ids
+            block_tables += padding[len(block_ids):]
         return DecodeInputs(
             input_ids=self._host(input_ids, torch.int64),
             positions=self._host(positions, torch.int64),
             slot_mapping=self._host(slots, torch.int64),
-            block_tables=self._host(block_tables, torch.int32),
+            block_tables=self._host(block_tables, torch.int32).view(len(requests), max_blocks),
             context_lens=self._host(context_lens, torch.int32),
         )
 
@@ -195,6 +200,53 @@ class ModelRunner:
                                  num_splits=num_splits)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_layers, meta, self.cos_sin)
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def warm_up_attention(self) -> None:
+        """Compile every launch configuration of the attention kernels that eager steps can pick, so that no
+        request waits for Triton (on an H200, 0.5-3 s per compile): the contiguous prefill kernel's tile sizes
+        (by the longest new sequence), the paged prefill kernel's (by the longest chunk: prompt chunks with
+        context, prefix-cache hits, verify steps) and the decode kernel's split layouts at every batch size of an
+        eager mixed step (the captured graphs compiled theirs). Inputs are views of a fused qkv output, as in the
+        model, so strides and alignment match; the caches are only read."""
+        if self.ops.name != "triton":
+            return  # the references compile nothing
+        attention = next(m for m in self.model.modules() if hasattr(m, "k_scale"))
+        k_scale, v_scale = attention.k_scale, attention.v_scale
+        cfg = self.config.model
+        num_q, num_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        k_cache, v_cache = self.kv_layers[0]
+        bs = self.block_size
+        scale = head_dim ** -0.5
+
+        def qkv(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            fused = torch.ones(num_tokens, (num_q + 2 * num_kv) * head_dim, device=self.device, dtype=self.dtype)
+            q, k, v = fused.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
+            return (q.view(num_tokens, num_q, head_dim), k.view(num_tokens, num_kv, head_dim),
+                    v.view(num_tokens, num_kv, head_dim))
+
+        def ints(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+        lengths = sorted({min(n, self.max_model_len - 1) for n in (1, 2, 4, 8, 16, 17, 32, 33, 64, 65, 128, 129)})
+        for num_tokens in lengths:
+            q, k, v = qkv(num_tokens)
+            self.ops.prefill_attention(q, k, v, ints([0, num_tokens]), num_tokens, scale)
+            context = min(bs, self.max_model_len - num_tokens)
+            seq_len = context + num_tokens
+            self.ops.paged_prefill_attention(q, k_cache, v_cache, ints([[0] * -(-seq_len // bs)]),
+                                             ints([0, num_tokens]), ints([seq_len]), num_tokens, scale,
+                                             k_scale=k_scale, v_scale=v_scale)
+        layouts: dict[tuple[int, bool], int] = {}
+        for num_seqs in range(1, self.config.scheduler.max_num_seqs + 1):
+            num_splits = self.num_splits_for(num_seqs)
+            layouts.setdefault((1 << (num_splits - 1).bit_length(), num_splits == 1), num_seqs)
+        for num_seqs in layouts.values():
+            q, _, _ = qkv(num_seqs)
+            self.ops.paged_decode_attention(q, k_cache, v_cache, ints([[0]] * num_seqs), ints([1] * num_seqs), scale,
+                                            self.num_splits_for(num_seqs), k_scale=k_scale, v_scale=v_scale)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def num_splits_for(self, num_seqs: int) -> int:
         # Fixed by batch size and the maximum length (not the actual contexts) so that a captured

@@ -32,6 +32,21 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+# Past this much context a prompt chunk's attention costs as much as its projections and MLP (Llama-3.1-8B on an
+# H200: a 32k-token prompt in 2,048-token chunks kept 64 decoding streams' ITL p99 at 144 ms, in 512-token chunks at
+# 60 ms; benchmarks/results/h200-2026-12-01/long-prompt-*.json), so chunks over longer contexts shrink in proportion.
+LONG_CONTEXT_TOKENS = 8192
+
+
+def chunk_limit(budget: int, context: int) -> int:
+    """Tokens a prompt chunk may take of `budget` when `context` tokens of its prompt are already computed: all of it
+    up to LONG_CONTEXT_TOKENS of context, then budget * LONG_CONTEXT_TOKENS / context (at least 1), which keeps a
+    step's attention work near that of a full budget at LONG_CONTEXT_TOKENS."""
+    if context <= LONG_CONTEXT_TOKENS:
+        return budget
+    return max(1, budget * LONG_CONTEXT_TOKENS // context)
+
+
 @dataclass
 class SchedulerOutput:
     """One step's work. `requests[i]` computes `num_new_tokens[i]` tokens from its `num_computed_tokens` on
@@ -138,6 +153,8 @@ class Scheduler:
                     index += 1  # a whole prompt that does not fit this step; the next one may
                     continue
                 num_new = budget
+            if chunked and request.is_prefilling:
+                num_new = min(num_new, chunk_limit(budget, request.num_computed_tokens))
             if request.spec_token_ids:
                 # Verify proposals too, as far as the budget and the free blocks allow: speculation never
                 # preempts anyone (its proposals are dropped first).
@@ -202,7 +219,7 @@ class Scheduler:
             num_new = request.num_tokens - num_cached
             if budget <= 0 or (num_new > budget and not chunked):
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, chunk_limit(budget, num_cached) if chunked else budget)
             num_blocks = num_blocks_for(num_cached + num_new, self.block_size) - len(hits)
             if not self.block_pool.can_allocate(num_blocks, hits):
                 break
@@ -278,11 +295,13 @@ class Scheduler:
         target's next token; finish those that stop. Returns the finished."""
         finished: list[Request] = []
         sampled = iter(zip(token_ids, logprobs, strict=True))
-        for i, (request, num_new) in enumerate(zip(output.requests, output.num_new_tokens, strict=True)):
-            samples = output.samples(i)
-            num_spec = output.num_spec_tokens(i)
-            emitted = next(sampled) if samples else None
-            request.spec_token_ids = []
+        for request, num_new in zip(output.requests, output.num_new_tokens, strict=True):
+            # `output.samples(i)` and `output.num_spec_tokens(i)` from one read of the counters (per request per step).
+            num_past_last = request.num_computed_tokens + num_new - request.num_tokens
+            num_spec = num_past_last if num_past_last > 0 else 0
+            emitted = next(sampled) if num_past_last >= 0 else None
+            if request.spec_token_ids:
+                request.spec_token_ids = []
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             if request.is_prefilling:
@@ -294,8 +313,10 @@ class Scheduler:
                 self._cache_blocks(request)
                 continue
             ids, probs = emitted
-            ids = [ids] if isinstance(ids, int) else list(ids)
-            probs = [probs] if isinstance(probs, float) else list(probs)
+            if isinstance(ids, int):
+                ids = [ids]
+            if isinstance(probs, float):
+                probs = [probs]
             # Only the accepted proposals' K/V count; the rejected ones' slots are rewritten by later steps.
             num_accepted = len(ids) - 1
             request.num_computed_tokens += num_new - num_spec + num_accepted
@@ -311,14 +332,13 @@ class Scheduler:
                 self.prefilled[request.req_id] = request
                 continue
             for token_id, logprob in zip(ids, probs, strict=True):
-                self.append_token(request, token_id, logprob)
-                if request.status.is_finished:
+                if self.append_token(request, token_id, logprob):
+                    finished.append(request)
                     break
-            if request.status.is_finished:
-                finished.append(request)
-            elif num_spec:
-                self._cache_blocks(request)  # the accepted proposals' blocks, now that they are tokens
-                self._trim(request)
+            else:
+                if num_spec:
+                    self._cache_blocks(request)  # the accepted proposals' blocks, now that they are tokens
+                    self._trim(request)
         return finished
 
     def _trim(self, request: Request) -> None:
@@ -329,12 +349,15 @@ class Scheduler:
             self.block_pool.free(request.block_ids[keep:])
             del request.block_ids[keep:]
 
-    def append_token(self, request: Request, token_id: int, logprob: float) -> None:
+    def append_token(self, request: Request, token_id: int, logprob: float) -> bool:
+        """Append one emitted token; True if it ended the request."""
         request.output_token_ids.append(token_id)
         request.output_logprobs.append(logprob)
         status = self._stop_status(request, token_id)
-        if status is not None:
-            self.finish(request, status)
+        if status is None:
+            return False
+        self.finish(request, status)
+        return True
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.params

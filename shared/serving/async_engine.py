@@ -9,6 +9,7 @@ event loop keeps serving gRPC streams during a step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import queue
@@ -30,7 +31,7 @@ class EngineFailure(UnavailableError):
     """Delivered to a request's stream when the engine step it was part of failed."""
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step: built on the engine thread, read on the event loop
 class TokenEvent:
     """New tokens of one request; `finish_reason` set on the last event.
 
@@ -72,24 +73,38 @@ class RequestStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, num_sent: int) -> None:
         self.loop = loop
-        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        # A deque and the one consumer's waiter, not an asyncio.Queue: every request gets an event per step.
+        self._events: collections.deque[Any] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
         self.num_sent = num_sent  # output tokens already delivered (or already with the client)
         self.first_sent = False
         self.local_prefill_sent: dict[str, int] = {}
 
     async def next(self) -> Any:
-        event = await self.events.get()
+        while not self._events:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        event = self._events.popleft()
         if isinstance(event, EngineFailure):
             raise event
         return event
 
     def put_back(self, event: Any) -> None:
         """Deliver `event` again after whatever is queued now (to handle it later, in order)."""
-        self.events.put_nowait(event)
+        self.deliver(event)
+
+    def deliver(self, event: Any) -> None:
+        """Event loop: queue `event` and wake the consumer."""
+        self._events.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def put(self, event: Any) -> None:
         """Any thread."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        self.loop.call_soon_threadsafe(self.deliver, event)
 
 
 class AsyncEngine:
@@ -151,36 +166,47 @@ class AsyncEngine:
         stream = self._streams.get(request.req_id)
         if stream is None:
             return None
-        new_ids = request.output_token_ids[stream.num_sent:]
-        if not new_ids and request.finish_reason is None:
+        num_sent = stream.num_sent
+        output_ids = request.output_token_ids
+        finish_reason = request.finish_reason
+        if len(output_ids) == num_sent and finish_reason is None:
             return None
-        local = {reason: n - stream.local_prefill_sent.get(reason, 0)
-                 for reason, n in request.local_prefill_tokens.items() if n != stream.local_prefill_sent.get(reason, 0)}
-        stream.local_prefill_sent = dict(request.local_prefill_tokens)
-        queue_s = None
-        is_first = not stream.first_sent
-        stream.first_sent = True
-        if is_first and request.first_scheduled_time is not None:
-            queue_s = request.first_scheduled_time - request.arrival_time
-        logprobs = request.output_logprobs[stream.num_sent:]
-        stream.num_sent = request.num_output_tokens
-        return stream, TokenEvent(new_ids, logprobs, request.finish_reason, local,
-                                  request.num_cached_tokens if is_first else 0, request.num_draft_tokens,
-                                  request.num_accepted_tokens, batch_size, step_s, queue_s)
+        # Per request per step: a decoding request computed no prompt tokens, so its counts have not moved.
+        local: dict[str, int] = {}
+        if request.local_prefill_tokens != stream.local_prefill_sent:
+            sent = stream.local_prefill_sent
+            local = {reason: n - sent.get(reason, 0)
+                     for reason, n in request.local_prefill_tokens.items() if n != sent.get(reason, 0)}
+            stream.local_prefill_sent = dict(request.local_prefill_tokens)
+        num_cached_tokens, queue_s = 0, None
+        if not stream.first_sent:
+            stream.first_sent = True
+            num_cached_tokens = request.num_cached_tokens
+            if request.first_scheduled_time is not None:
+                queue_s = request.first_scheduled_time - request.arrival_time
+        stream.num_sent = len(output_ids)
+        return stream, TokenEvent(output_ids[num_sent:], request.output_logprobs[num_sent:], finish_reason, local,
+                                  num_cached_tokens, request.num_draft_tokens, request.num_accepted_tokens,
+                                  batch_size, step_s, queue_s)
 
     def _publish_step(self, result: StepResult, seconds: float) -> None:
         """Engine thread: every request's new tokens of a step, handed to the event loop in one wake-up
         (one `call_soon_threadsafe` per loop, not one per request: each is a write to the loop's pipe)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        batch_size = len(result.requests)
+        event_for = self._event_for
         for request in result.requests:
-            event = self._event_for(request, len(result.requests), seconds)
+            event = event_for(request, batch_size, seconds)
             if event is not None:
                 stream, token_event = event
-                by_loop.setdefault(stream.loop, []).append((stream.events, token_event))
+                batch = by_loop.get(stream.loop)
+                if batch is None:
+                    batch = by_loop[stream.loop] = []
+                batch.append((stream, token_event))
         for request in result.reserved:
             if (reserved_stream := self._streams.get(request.req_id)) is not None:
                 by_loop.setdefault(reserved_stream.loop, []).append(
-                    (reserved_stream.events, ReservedEvent(list(request.block_ids), request.num_cached_tokens)))
+                    (reserved_stream, ReservedEvent(list(request.block_ids), request.num_cached_tokens)))
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)
 
@@ -240,9 +266,9 @@ class AsyncEngine:
             self.engine.abort(req_id)
 
 
-def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
-    for events, event in batch:
-        events.put_nowait(event)
+def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
+    for stream, event in batch:
+        stream.deliver(event)
 
 
 def _set_result(future: asyncio.Future[Any], result: Any) -> None:

@@ -60,3 +60,31 @@ def test_engine_runs_the_kernels_and_matches_the_reference() -> None:
     assert set(kernel_calls) == set(OPS) - NOT_CALLED_BY_THE_MODEL and kernel_calls == reference_calls
     assert kernel_calls["prefill_attention"] == 2 and kernel_calls["paged_prefill_attention"] == 2
     assert kernel_calls["paged_decode_attention"] == 2 * 6
+
+
+@pytest.mark.skipif(not triton_available(torch.device("cpu")) and not torch.cuda.is_available(),
+                    reason="needs triton (its interpreter on CPU)")
+def test_warm_up_runs_every_attention_layout_and_changes_nothing() -> None:
+    """`Engine.warm_up` launches the attention kernels at each tile size and decode split layout an eager step can
+    pick (the compiles a first request would otherwise wait for), and the engine's tokens stay as without it."""
+    calls: Counter[str] = Counter()
+    config = EngineConfig(model=load_model_config("dummy:tiny", fetch=False),
+                          cache=CacheConfig(block_size=8, num_blocks=64),
+                          scheduler=SchedulerConfig(max_model_len=160, max_num_batched_tokens=16, max_num_seqs=8))
+    runner = ModelRunner(config, ops=counted(get_ops("triton", "all"), calls))
+    runner.warm_up_attention()
+    # Twelve lengths up to 129 (the contiguous and the paged prefill kernel each), one decode launch per layout.
+    assert calls["prefill_attention"] == 12 and calls["paged_prefill_attention"] == 12
+    layouts = {(1 << (runner.num_splits_for(n) - 1).bit_length(), runner.num_splits_for(n) == 1) for n in range(1, 9)}
+    assert calls["paged_decode_attention"] == len(layouts) >= 1
+    engine = Engine(config, runner)
+    engine.warm_up()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    warm = engine.add_request("a", list(range(100, 123)), params)
+    while engine.has_unfinished():
+        engine.step()
+    cold = Engine(config, ModelRunner(config, ops=get_ops("triton", "all")))
+    fresh = cold.add_request("a", list(range(100, 123)), params)
+    while cold.has_unfinished():
+        cold.step()
+    assert warm.output_token_ids == fresh.output_token_ids

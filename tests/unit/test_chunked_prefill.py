@@ -71,3 +71,15 @@ def test_smollm2_chunked_equals_hf(smollm2_path: Path) -> None:
         outputs = llm.generate(prompts, greedy(8))
         for prompt, output in zip(prompts, outputs, strict=True):
             assert output.token_ids == hf_greedy(hf, prompt, 8), budget
+
+
+def test_default_budget_by_device_and_role() -> None:
+    """GPU workers take 2,048 tokens a step (prompts of ~1k in one step: smaller chunks cost as much), a GPU prefill
+    worker 8,192 (no decode tokens to protect), the CPU 256; without chunking the budget must hold whole prompts."""
+    from tandem.common.config import SchedulerConfig, default_batched_tokens
+
+    assert default_batched_tokens("cuda") == default_batched_tokens("cuda:1", role="decode") == 2048
+    assert default_batched_tokens("cuda", role="prefill") == 8192
+    assert default_batched_tokens("cpu") == default_batched_tokens("cpu", role="prefill") == 256
+    assert default_batched_tokens("cuda", enable_chunked_prefill=False, role="prefill") == 8192
+    assert SchedulerConfig().resolved("cuda").max_num_batched_tokens == 2048

@@ -227,3 +227,28 @@ def test_preemption_mid_prompt_recomputes_from_the_start() -> None:
     assert new.local_prefill_tokens.get("preemption", 0) >= 8 and new.local_prefill_tokens.get("local", 0) > 0
     scheduler.block_pool.check_integrity()
     assert scheduler.block_pool.num_free_blocks == 4
+
+
+def test_chunks_shrink_past_a_long_context() -> None:
+    """A prompt chunk takes the whole budget up to LONG_CONTEXT_TOKENS of context, then a share that falls with the
+    context (its attention grows with it), so a step shared with decode tokens stays about as long; every prompt
+    token is still computed exactly once."""
+    from tandem.engine.scheduler import LONG_CONTEXT_TOKENS, chunk_limit
+
+    assert chunk_limit(2048, 0) == chunk_limit(2048, LONG_CONTEXT_TOKENS) == 2048
+    assert chunk_limit(2048, 2 * LONG_CONTEXT_TOKENS) == 1024 and chunk_limit(2048, 4 * LONG_CONTEXT_TOKENS) == 512
+    assert chunk_limit(1, 10 * LONG_CONTEXT_TOKENS) == 1
+    prompt_len = 3 * LONG_CONTEXT_TOKENS + 100
+    scheduler = make_scheduler(num_blocks=num_blocks_for(prompt_len + 8, BLOCK) + 4, budget=4096, chunked=True)
+    request = make_request("long", prompt_len, max_tokens=2)
+    scheduler.add(request)
+    chunks = []
+    while request.num_output_tokens == 0:
+        context = request.num_computed_tokens
+        output = scheduler.schedule()
+        assert output is not None
+        chunks.append((context, output.num_new_tokens[0]))
+        num_sampling = sum(output.samples(i) for i in range(len(output.requests)))
+        scheduler.update_from_output(output, [5] * num_sampling, [0.0] * num_sampling)
+    assert all(n == min(chunk_limit(4096, context), prompt_len - context) for context, n in chunks)
+    assert sum(n for _, n in chunks) == prompt_len and chunks[1] == (4096, 4096) and chunks[-1][1] < 4096
