@@ -45,11 +45,6 @@ class CompileLog:
         return names
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))] if ordered else float("nan")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="dummy:tiny")
@@ -70,6 +65,7 @@ def main() -> None:
     import triton
 
     import tandem
+    from tandem.benchmarks.serve import percentiles
     from tandem.common.config import default_batched_tokens
     from tandem.engine.llm import LLM  # imports torch: after the arguments are checked
     chunked = not args.no_chunked_prefill
@@ -129,8 +125,8 @@ def main() -> None:
         kinds[kind].append(s["ms"])
     compiled = [(s["t"], name) for s in steps for name in s["compiles"]]
     summary: dict[str, Any] = {
-        "ttft_ms": {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99)},
-        "tpot_ms": {"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)},
+        "ttft_ms": percentiles(ttft),
+        "tpot_ms": percentiles(tpot),
         "steps": {k: {"count": len(v), "median_ms": statistics.median(v) if v else None} for k, v in kinds.items()},
         "compiles_at_warm_up": len(warm_up_compiles), "compiles_while_serving": len(compiled),
         "compiled_kernels_while_serving": sorted(set(name for _, name in compiled)),
