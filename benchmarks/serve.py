@@ -93,6 +93,10 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": pick(0.50), "p90": pick(0.90), "p99": pick(0.99), "mean": statistics.fmean(ordered)}
 
 
+# The workload seed of the i-th rate of a run is seed + i * RATE_SEED_STRIDE.
+RATE_SEED_STRIDE = 7919
+
+
 def workload(num_requests: int, prompt_dist: LengthDist, output_dist: LengthDist,
              seed: int) -> Iterator[tuple[list[int], int]]:
     """(prompt token ids, output length) of each request, the same for a given seed (so other benchmarks
@@ -207,8 +211,12 @@ def run(address: str, rates: list[float], num_requests: int, prompt_len: str, ou
 
     prompt_dist, output_dist = LengthDist.parse(prompt_len), LengthDist.parse(output_len)
     results = []
-    for rate in tqdm(rates, desc="rates"):
-        result = asyncio.run(run_rate(address, rate, num_requests, prompt_dist, output_dist, seed, timeout))
+    for index, rate in enumerate(tqdm(rates, desc="rates")):
+        # Each rate its own prompts: with one seed for all, every rate after the first found its prompts in the
+        # stack's prefix cache and measured decode alone.
+        rate_seed = seed + RATE_SEED_STRIDE * index
+        result = asyncio.run(run_rate(address, rate, num_requests, prompt_dist, output_dist, rate_seed, timeout))
+        result["seed"] = rate_seed
         add_goodput(result, ttft_slo, tpot_slo)
         results.append(result)
     report = {"benchmark": "serve", "label": label, "address": address, "prompt_len": prompt_len,

@@ -58,6 +58,14 @@ def check_last_dim_contiguous(op: str, **tensors: torch.Tensor) -> None:
             raise ValueError(f"{op}: {name} must be contiguous in its last dimension, strides {t.stride()}")
 
 
+def check_out(op: str, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """An attention op's caller-given output: q's shape and dtype and device, unit last stride (any row strides)."""
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"{op}: out must be {tuple(q.shape)} {q.dtype} on {q.device} with unit last stride, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}, strides {out.stride()}")
+    return out
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs to tl.dot default to TF32 on GPU; ask for full precision so fp32 matches the ref."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -54,9 +54,12 @@ class Ops:
     store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None
     rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None)
         -> (q, k)                                                            # rotary_embedding, then store_kv
-    prefill_attention(q, k, v, cu_seqlens, max_seqlen, scale) -> out
-    paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None) -> out
-    paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale) -> out
+    prefill_attention(q, k, v, cu_seqlens, max_seqlen, scale, out=None) -> out
+    paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None, out=None) -> out
+    paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale,
+                            out=None) -> out
+    (the attention ops write into `out` where given: a view of q's shape and dtype, so that a step's decode tokens
+    and prompt chunks fill one buffer)
 
     `fusions`: the fusions this bundle launches (of FUSIONS and OPT_IN_FUSIONS; none for the references).
     """

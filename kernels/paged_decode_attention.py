@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
+from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, check_out, dot_precision, tl, triton
 from tandem.kernels.fp8_kv import check_kv_cache, dequantize_kv, gather_pages
 
 _LOG2E = 1.4426950408889634
@@ -262,10 +262,10 @@ def _num_sms(device: torch.device) -> int:
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   num_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                                  v_scale: torch.Tensor | None = None, combine_in_kernel: bool = False
-                                  ) -> torch.Tensor:
+                                  v_scale: torch.Tensor | None = None, combine_in_kernel: bool = False,
+                                  out: torch.Tensor | None = None) -> torch.Tensor:
     """q [S, Hq, D], k_cache, v_cache [N, B, Hkv, D], block_tables [S, max_blocks] int32,
-    context_lens [S] int32 -> [S, Hq, D].
+    context_lens [S] int32 -> [S, Hq, D] (into `out` where given: a view of q's shape and dtype, unit last stride).
 
     Sequence s attends to its first context_lens[s] cached tokens; block_tables[s, j] is the physical
     block of its logical block j. A row with context_lens 0 gives zeros. num_splits=None picks
@@ -283,7 +283,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     is_fp8 = _check_shapes(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     num_seqs, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else check_out("paged_decode_attention", out, q)
     if num_seqs == 0:
         return out
     if num_splits is None:
@@ -341,7 +341,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                num_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                               v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None
+                               ) -> torch.Tensor:
     """Same contract as the Triton version (num_splits is ignored), vectorised over the batch.
 
     Gathers every sequence's pages padded to the longest context (`index_select`, ~3x faster on the CPU
@@ -349,11 +350,12 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     engine's decode attention on the CPU, so it is kept lean.
     """
     is_fp8 = _check_shapes(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    given = out
     num_seqs, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     max_context = int(context_lens.max()) if num_seqs else 0  # host sync: fine for the reference
     if max_context == 0:
-        return torch.zeros_like(q)
+        return torch.zeros_like(q) if out is None else check_out("paged_decode_attention", out, q).zero_()
     num_blocks = -(-max_context // page_size)
     # Entries past a sequence's context may be garbage (e.g. -1); clamp them, the mask hides them.
     pages = block_tables[:, :num_blocks].long().clamp(min=0).flatten()  # [S * nb]
@@ -373,4 +375,6 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         q.float().unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),  # [S, H, 1, D], [S, Hkv, L, D]
         attn_mask=is_valid[:, None, None, :], scale=scale, enable_gqa=True).squeeze(2)  # [S, Hq, D]
     out.masked_fill_(is_empty[:, None, None], 0.0)
+    if given is not None:
+        return check_out("paged_decode_attention", given, q).copy_(out)
     return out.to(q.dtype)

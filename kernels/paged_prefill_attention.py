@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
+from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, check_out, dot_precision, tl, triton
 from tandem.kernels.fp8_kv import check_kv_cache, dequantize_kv, gather_pages
 
 _LOG2E = 1.4426950408889634
@@ -234,10 +234,11 @@ def _launch_config(dtype: torch.dtype, head_dim: int, max_seqlen_q: int, num_que
 def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                    seq_lens: torch.Tensor, max_seqlen_q: int, scale: float,
-                                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
-                                   ) -> torch.Tensor:
+                                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                                   out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D], k_cache, v_cache [N, B, Hkv, D], block_tables [S, max_blocks] int32, cu_seqlens_q
-    [S+1] int32, seq_lens [S] int32 -> out [T, Hq, D] (contiguous, q's dtype).
+    [S+1] int32, seq_lens [S] int32 -> out [T, Hq, D] (q's dtype; into `out` where given, a [T, Hq, D] view with
+    unit last stride, else a new contiguous tensor).
 
     Sequence s's queries are q[cu_seqlens_q[s]:cu_seqlens_q[s+1]], its last new tokens; seq_lens[s] counts
     its whole length (context + new). max_seqlen_q must be at least the longest q_len (it sizes the grid,
@@ -253,7 +254,7 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     is_fp8 = _check_shapes(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
-    out = q.new_empty(q.shape)
+    out = q.new_empty(q.shape) if out is None else check_out(op, out, q)
     if num_tokens == 0 or max_seqlen_q <= 0:
         return out
     num_queries_per_kv = num_q_heads // num_kv_heads
@@ -288,14 +289,14 @@ def paged_prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                 seq_lens: torch.Tensor, max_seqlen_q: int, scale: float,
-                                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
-                                ) -> torch.Tensor:
+                                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as the Triton version (max_seqlen_q unused), one sequence at a time: gather its
     pages into a contiguous [L, Hkv, D] context (dequantized, for an fp8 cache), then masked softmax
     attention in float32."""
     is_fp8 = _check_shapes(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, k_scale, v_scale)
     page_size = k_cache.shape[1]
-    out = q.new_empty(q.shape)
+    out = q.new_empty(q.shape) if out is None else check_out("paged_prefill_attention", out, q)
     bounds, lens = cu_seqlens_q.tolist(), seq_lens.tolist()  # host sync: fine for the reference
     for s, (start, end, seq_len) in enumerate(zip(bounds[:-1], bounds[1:], lens, strict=True)):
         q_len = end - start

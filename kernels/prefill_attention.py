@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
+from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, check_out, dot_precision, tl, triton
 
 _LOG2E = 1.4426950408889634
 
@@ -114,8 +114,9 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 
 
 def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                             max_seqlen: int, scale: float) -> torch.Tensor:
-    """q [T, Hq, D], k, v [T, Hkv, D], cu_seqlens [S+1] int32 -> [T, Hq, D].
+                             max_seqlen: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D], k, v [T, Hkv, D], cu_seqlens [S+1] int32 -> [T, Hq, D] (into `out` where given: a view of q's
+    shape and dtype with unit last stride).
 
     Sequence i is tokens cu_seqlens[i]:cu_seqlens[i+1]; max_seqlen must be at least the longest one
     (it sizes the grid, so no host sync is needed). Query head h reads kv head h // (Hq // Hkv).
@@ -124,7 +125,7 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     check_last_dim_contiguous("prefill_attention", q=q, k=k, v=v)
     _check_shapes(q, k, v, cu_seqlens)
     num_tokens, num_q_heads, head_dim = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else check_out("prefill_attention", out, q)
     if num_tokens == 0 or max_seqlen == 0:
         return out
     block_d = max(triton.next_power_of_2(head_dim), 16)
@@ -145,10 +146,10 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                          max_seqlen: int, scale: float) -> torch.Tensor:
+                          max_seqlen: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D], k, v [T, Hkv, D], cu_seqlens [S+1] -> [T, Hq, D]; causal within each sequence."""
     _check_shapes(q, k, v, cu_seqlens)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else check_out("prefill_attention", out, q)
     bounds = cu_seqlens.tolist()  # host sync: fine for the reference
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         if end == start:

@@ -174,6 +174,9 @@ BatchedTokensOpt = Annotated[int | None, typer.Option(
     help="Token budget of one step (decode tokens + prompt chunks); default: the device's (GPU: 2048, 8192 on a "
          "prefill worker; CPU: 256).",
     rich_help_panel=EngineGroup)]
+PromptCapOpt = Annotated[int | None, typer.Option(
+    min=0, help="Prompt tokens a step may compute beside decode tokens while few prompts wait (0, the default: no "
+                "cap; measured slower on an H200, see README).", rich_help_panel=EngineGroup, show_default=False)]
 ChunkedOpt = Annotated[bool, typer.Option(
     "--chunked-prefill/--no-chunked-prefill",
     help="Compute long prompts in chunks, in steps shared with decode tokens.", rich_help_panel=EngineGroup)]
@@ -197,6 +200,7 @@ def prefill(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port:
             device: DeviceOpt = "cpu", threads: ThreadsOpt = 0, num_kv_blocks: NumKvBlocksOpt = None,
             max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256, drain_s: float = 30.0,
             gpu_memory_fraction: GpuFractionOpt = 0.85, max_num_batched_tokens: BatchedTokensOpt = None,
+            prompt_tokens_while_decoding: PromptCapOpt = None,
             chunked_prefill: ChunkedOpt = True, prefix_caching: PrefixCachingOpt = True,
             quantization: QuantizationOpt = None, kv_cache_dtype: KvCacheDtypeOpt = "auto",
             tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
@@ -209,6 +213,7 @@ def prefill(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port:
             dict(model=model, device=device, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                  max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction,
                  max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
+                 prompt_tokens_while_decoding=prompt_tokens_while_decoding,
                  enable_prefix_caching=prefix_caching, quantization=quantization, kv_cache_dtype=kv_cache_dtype),
             threads)
 
@@ -220,6 +225,7 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
            max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256, drain_s: float = 30.0,
            kv_transport: Annotated[str, typer.Option(help="auto | grpc | cuda-ipc (same GPU only).")] = "auto",
            gpu_memory_fraction: GpuFractionOpt = 0.85, max_num_batched_tokens: BatchedTokensOpt = None,
+           prompt_tokens_while_decoding: PromptCapOpt = None,
            chunked_prefill: ChunkedOpt = True, prefix_caching: PrefixCachingOpt = True,
            quantization: QuantizationOpt = None, kv_cache_dtype: KvCacheDtypeOpt = "auto",
            speculative_config: SpeculativeOpt = None,
@@ -242,6 +248,7 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
             dict(model=model, device=device, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                  max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction,
                  max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
+                 prompt_tokens_while_decoding=prompt_tokens_while_decoding,
                  enable_prefix_caching=prefix_caching, quantization=quantization, kv_cache_dtype=kv_cache_dtype),
             threads, kv_transport, max_queued, prefill, speculative_config)
 
@@ -411,7 +418,7 @@ def up(
         min=1, max=99, help="Partition the GPU's SMs with CUDA MPS: prefill workers get this percentage, decode "
                             "workers the rest (tandem runs its own MPS daemon). Default: time-sharing.")] = None,
     max_num_batched_tokens: BatchedTokensOpt = None, chunked_prefill: ChunkedOpt = True,
-    prefix_caching: PrefixCachingOpt = True,
+    prompt_tokens_while_decoding: PromptCapOpt = None, prefix_caching: PrefixCachingOpt = True,
     quantization: QuantizationOpt = None, kv_cache_dtype: KvCacheDtypeOpt = "auto",
     speculative_config: SpeculativeOpt = None,
     max_request_bytes: Annotated[int | None, typer.Option(
@@ -433,6 +440,7 @@ def up(
                            kv_transport=kv_transport, gpu_memory_fraction=gpu_memory_fraction,
                            max_num_seqs=max_num_seqs, gpu_split=gpu_split,
                            max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
+                           prompt_tokens_while_decoding=prompt_tokens_while_decoding,
                            enable_prefix_caching=prefix_caching, speculative_config=speculative_config,
                            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                            max_request_bytes=max_request_bytes, decode_stall_timeout_s=decode_stall_timeout,

@@ -57,6 +57,7 @@ class StackOptions:
     gpu_split: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    prompt_tokens_while_decoding: int | None = None
     enable_prefix_caching: bool = True
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -141,6 +142,8 @@ class Stack:
             engine_flags += ["--max-num-batched-tokens", str(o.max_num_batched_tokens)]
         if not o.enable_chunked_prefill:
             engine_flags += ["--no-chunked-prefill"]
+        if o.prompt_tokens_while_decoding is not None:
+            engine_flags += ["--prompt-tokens-while-decoding", str(o.prompt_tokens_while_decoding)]
         if not o.enable_prefix_caching:
             engine_flags += ["--no-prefix-caching"]
         if o.quantization:

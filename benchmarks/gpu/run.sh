@@ -15,6 +15,9 @@
 #            KV, a 1,000/1,000 max-throughput run, offline chunked vs whole prompts, HF transformers
 #   spec     speculative decoding speed-up at batch 1 and 16: draft = target (the ceiling), n-gram
 #   prefix   prefix caching through the stack (1 prefill + 2 decode): multi-turn chat, shared system prompt, random
+#   stepcost, piecewise, serve_colocated, serve_final, long_offline, last
+#            step cost by shape (eager vs piecewise CUDA graphs), serving at 2-48 req/s, the 32k prompt, offline
+#            throughput with and without the graphs (2026-12-02; see each suite's comment)
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
@@ -253,6 +256,82 @@ suite_long() {
 # One row of the stack suite again (after a change of the decode worker's per-token work).
 suite_stack_check() {
     stack_row 1b-1024-w4-after "$SMALL" 256 1024 4
+}
+
+# What one step costs by shape (prompt tokens x decoding sequences): host enqueue vs GPU time, kernels by time.
+suite_stepcost() {
+    step step-cost-8b 240 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" --profile \
+        --prompt-tokens "$(n 0,128,256,512,1024,2048 0,16,32)" --decodes "$(n 0,16,64 0,2)" \
+        --context "$(n 1024 32)" --repeat "$(n 5 1)" --out "$OUT/step-cost-8b.json"
+    step step-cost-1b 150 $PY -m tandem.benchmarks.step_cost --model "$SMALL" --device "$DEVICE" \
+        --prompt-tokens "$(n 0,256,1024 0,16)" --decodes "$(n 0,64 0,2)" \
+        --context "$(n 1024 32)" --repeat "$(n 5 1)" --out "$OUT/step-cost-1b.json"
+}
+
+# Piecewise CUDA graphs for steps with prompt tokens: the GPU tests (captured pieces give the eager tokens; the
+# attention kernels writing into a given output), step cost with and without them, the step trace at 2 req/s.
+suite_piecewise() {
+    step piecewise-tests 300 $PY -m pytest -q -x --confcutdir=tests/kernels -p no:cacheprovider \
+        tests/kernels/test_cuda_graphs.py tests/kernels/test_paged_decode_attention.py \
+        tests/kernels/test_paged_prefill_attention.py tests/kernels/test_prefill_attention.py \
+        tests/kernels/test_engine_kernel_path.py
+    step step-cost-8b-piecewise 240 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" --profile \
+        --prompt-tokens "$(n 0,128,256,512,1024,2048 0,16,32)" --decodes "$(n 0,16,64 0,2)" \
+        --context "$(n 1024 32)" --repeat "$(n 5 1)" --out "$OUT/step-cost-8b-piecewise.json"
+    step step-cost-8b-eager 240 env TANDEM_PIECEWISE_GRAPHS=0 $PY -m tandem.benchmarks.step_cost --model "$BIG" \
+        --device "$DEVICE" --prompt-tokens "$(n 0,128,256,512,1024,2048 0,16,32)" --decodes "$(n 0,16,64 0,2)" \
+        --context "$(n 1024 32)" --repeat "$(n 5 1)" --out "$OUT/step-cost-8b-eager.json"
+    step step-cost-1b-piecewise 150 $PY -m tandem.benchmarks.step_cost --model "$SMALL" --device "$DEVICE" \
+        --prompt-tokens "$(n 0,256,1024 0,16)" --decodes "$(n 0,64 0,2)" \
+        --context "$(n 1024 32)" --repeat "$(n 5 1)" --out "$OUT/step-cost-1b-piecewise.json"
+    step step-trace-piecewise 150 $PY -m tandem.benchmarks.step_trace --model "$BIG" --device "$DEVICE" --rate 2 \
+        --num-requests "$(n 48 6)" --prompt-len "$(n 1024 64)" --output-len "$(n 256 8)" \
+        --out "$OUT/step-trace-piecewise.json"
+}
+
+# The serving results that piecewise graphs and the prompt-token cap change. Colocated at 2-48 req/s with the
+# defaults (#16: ITL p99 vs TPOT p50), then without the cap at the low rates (what the graphs alone do), the step
+# trace at 2 req/s.
+suite_serve_colocated() {
+    serve_chunks colocated-defaults "" 200
+    CHUNK_RATES=2,8,16 serve_chunks colocated-no-cap "--prompt-tokens-while-decoding 0" 150
+    step step-trace-defaults 120 $PY -m tandem.benchmarks.step_trace --model "$BIG" --device "$DEVICE" --rate 2 \
+        --num-requests "$(n 48 6)" --prompt-len "$(n 1024 64)" --output-len "$(n 256 8)" \
+        --out "$OUT/step-trace-defaults.json"
+}
+
+# Colocated and disaggregated at 2-48 req/s with the defaults (#16, #14).
+suite_serve_final() {
+    serve_chunks colocated-final "" 200
+    step serve-disagg-final 200 $PY -m tandem.benchmarks.serve_modes --mode disagg --model "$BIG" \
+        --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" --num-requests "$(n 128 4)" \
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-disagg-final.json"
+}
+
+# One 32k prompt among 64 streams (#16), offline throughput with and without piecewise graphs (#16: not lower).
+suite_long_offline() {
+    long_prompt final ""
+    suite_long_offline_throughput
+}
+suite_long_offline_throughput() {
+    local E="$PY -m tandem.benchmarks.gpu_engine"
+    [ "$SCALE" = 1 ] || E="env TRITON_INTERPRET=1 $E"
+    step offline 150 $E offline $DRY --out "$OUT"
+    mkdir -p "$OUT/eager"
+    step offline-eager 150 env TANDEM_PIECEWISE_GRAPHS=0 $E offline $DRY --out "$OUT/eager"
+}
+
+# After the decode tokens' attention joined the piecewise graphs: the GPU capture tests, the colocated serve benchmark
+# at 2-48 req/s (#16), step cost of mixed steps, the 32k prompt among 64 streams, offline throughput with/without.
+suite_last() {
+    step graph-tests 120 $PY -m pytest -q -x --confcutdir=tests/kernels -p no:cacheprovider \
+        tests/kernels/test_cuda_graphs.py
+    serve_chunks colocated-last "" 200
+    step step-cost-8b-last 90 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" \
+        --prompt-tokens "$(n 0,128,384,512,1024 0,16)" --decodes "$(n 0,16,64 0,2)" \
+        --context "$(n 1024 32)" --repeat "$(n 5 1)" --out "$OUT/step-cost-8b-last.json"
+    long_prompt last ""
+    suite_long_offline_throughput
 }
 
 for suite in "$@"; do

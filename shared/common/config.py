@@ -143,6 +143,16 @@ PREFILL_BATCHED_TOKENS_CUDA = 8192
 OFFLINE_BATCHED_TOKENS_CUDA = 16384
 # Without chunked prefill a whole prompt must fit one step.
 DEFAULT_BATCHED_TOKENS_UNCHUNKED = 8192
+# Prompt tokens a step may carry beside decode tokens while the queue is short (`SchedulerConfig`); 0: no cap, the
+# default everywhere. Measured on an H200 (llama-3.1-8b, 1,024/256 tokens at 2 req/s, piecewise graphs on;
+# benchmarks/results/h200-2026-12-02/): no cap: TTFT p50 35.6 ms, ITL p99 10.3 ms; a cap of 512: 41.8 / 17.1 ms; of
+# 384: 53.8 / 17.3 ms. A 1,024-token prompt then takes 2-3 steps that were not much shorter (16 ms for 512 prompt
+# tokens beside ~3 decodes, against 12.8 ms alone: our reading is the GEMMs' rows padded past a tile). Left as an
+# option for experiments.
+DEFAULT_PROMPT_TOKENS_WHILE_DECODING = {"cuda": 0, "cpu": 0}
+# The cap is lifted while more prompt tokens wait than this many capped steps would clear (throughput first when the
+# queue builds).
+BACKLOG_STEPS = 8
 # max_model_len's default cap (the model's context may be far longer): CUDA graphs size their block tables and
 # the decode attention its splits from it. A larger value can always be given.
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -159,6 +169,10 @@ class SchedulerConfig:
     max_model_len: int | None = None
     # Long prompts are computed in chunks, in steps shared with the running requests' decode tokens.
     enable_chunked_prefill: bool = True
+    # With chunked prefill: a step that carries decode tokens computes at most this many prompt tokens, unless more
+    # than BACKLOG_STEPS times as many wait (then the whole budget); None: the device's default
+    # (DEFAULT_PROMPT_TOKENS_WHILE_DECODING), 0: no cap.
+    prompt_tokens_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -167,12 +181,20 @@ class SchedulerConfig:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.prompt_tokens_while_decoding is not None and self.prompt_tokens_while_decoding < 0:
+            raise ConfigError(f"prompt_tokens_while_decoding must be >= 0 (0: no cap), got "
+                              f"{self.prompt_tokens_while_decoding}")
 
     def resolved(self, device: str) -> SchedulerConfig:
-        """With the token budget chosen for `device` when none was given."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        return replace(self, max_num_batched_tokens=default_batched_tokens(device, self.enable_chunked_prefill))
+        """With the token budget and the prompt-token cap chosen for `device` where none was given."""
+        resolved = self
+        if resolved.max_num_batched_tokens is None:
+            resolved = replace(resolved,
+                               max_num_batched_tokens=default_batched_tokens(device, self.enable_chunked_prefill))
+        if resolved.prompt_tokens_while_decoding is None:
+            resolved = replace(resolved, prompt_tokens_while_decoding=DEFAULT_PROMPT_TOKENS_WHILE_DECODING[
+                "cpu" if device == "cpu" else "cuda"])
+        return resolved
 
 
 def default_batched_tokens(device: str, enable_chunked_prefill: bool = True, role: str = "decode") -> int:
@@ -202,6 +224,8 @@ class EngineConfig:
     use_triton: bool = True
     # CUDA graphs for decode steps (ignored on CPU).
     use_cuda_graphs: bool = True
+    # With use_cuda_graphs: steps with prompt tokens replay captured pieces around eager attentions (PiecewiseGraphs).
+    piecewise_cuda_graphs: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -232,8 +256,10 @@ class EngineConfig:
     def create(cls, model: ModelConfig, *, device: str = "cpu", dtype: str = "auto", block_size: int = 16,
                num_kv_blocks: int | None = None, gpu_memory_fraction: float = 0.85, max_model_len: int | None = None,
                max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
+               prompt_tokens_while_decoding: int | None = None,
                enable_prefix_caching: bool = True, use_triton: bool = True, use_cuda_graphs: bool = True,
-               seed: int = 0, quantization: str | None = None, kv_cache_dtype: str = "auto") -> EngineConfig:
+               piecewise_cuda_graphs: bool = True, seed: int = 0, quantization: str | None = None,
+               kv_cache_dtype: str = "auto") -> EngineConfig:
         """The one place flat settings (flags, `LLM(...)` keywords) become the nested config. `quantization` set
         replaces the model's (None keeps it: unquantized unless the ModelConfig says otherwise)."""
         if quantization is not None:
@@ -244,8 +270,10 @@ class EngineConfig:
                                      enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                              max_model_len=max_model_len,
-                                             enable_chunked_prefill=enable_chunked_prefill),
-                   device=device, dtype=dtype, use_triton=use_triton, use_cuda_graphs=use_cuda_graphs, seed=seed)
+                                             enable_chunked_prefill=enable_chunked_prefill,
+                                             prompt_tokens_while_decoding=prompt_tokens_while_decoding),
+                   device=device, dtype=dtype, use_triton=use_triton, use_cuda_graphs=use_cuda_graphs,
+                   piecewise_cuda_graphs=piecewise_cuda_graphs, seed=seed)
 
     @property
     def max_model_len(self) -> int:

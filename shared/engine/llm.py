@@ -48,10 +48,12 @@ class LLM:
     def __init__(self, model: str, *, device: str = "cpu", dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = True, speculative_config: dict[str, Any] | None = None,
+                 prompt_tokens_while_decoding: int | None = None, enable_prefix_caching: bool = True,
+                 speculative_config: dict[str, Any] | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None,
                  gpu_memory_fraction: float = 0.85, use_triton: bool = True, use_cuda_graphs: bool = True,
-                 seed: int = 0, quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 piecewise_cuda_graphs: bool = True, seed: int = 0, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto",
                  cache_dir: Path | None = None) -> None:
         model_config = load_model_config(model, cache_dir=cache_dir)
         if max_num_batched_tokens is None and enable_chunked_prefill and device.startswith("cuda"):
@@ -60,8 +62,8 @@ class LLM:
             model_config, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
             gpu_memory_fraction=gpu_memory_fraction, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching,
-            use_triton=use_triton, use_cuda_graphs=use_cuda_graphs,
+            prompt_tokens_while_decoding=prompt_tokens_while_decoding, enable_prefix_caching=enable_prefix_caching,
+            use_triton=use_triton, use_cuda_graphs=use_cuda_graphs, piecewise_cuda_graphs=piecewise_cuda_graphs,
             seed=seed, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         speculative = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         self.engine = Engine(self.config, speculative=speculative)

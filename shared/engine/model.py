@@ -3,6 +3,10 @@
 Reads like the paper: embed → N × (norm → attention → norm → SwiGLU MLP) → norm → logits.
 Q/K/V and gate/up are merged into one GEMM each; every elementwise step goes through `Ops`, which
 is either the fused Triton kernels or their pure-torch references (same contract, same results).
+The forward is N + 1 *pieces* (`LlamaForCausalLM.piece`: everything between one attention and the next, with no
+host reads) around N attentions (`LlamaAttention.attend`): the eager forward runs them in turn, and
+`tandem.engine.cuda_graphs.PiecewiseGraphs` replays the pieces as captured graphs with the attentions eager between
+them (a step with prompt tokens: its attention metadata changes shape step to step).
 Parameter names follow the HF checkpoint except the two merged projections (see weights.py). With
 `ModelConfig.quantization` the four projections of each layer are `QuantizedLinear`s (tandem.engine.quantization,
 swapped in at load); with an fp8 KV cache each attention reads its layer's static K/V scales (`set_kv_scales`).
@@ -45,61 +49,63 @@ class LlamaAttention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv: KVLayer,
-                meta: AttentionMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor,
+                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k, v [T, Hkv, D] of `hidden` [T, hidden], q and k rotated, k and v stored into the pages."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         k_cache, v_cache = kv
-        k_scale, v_scale = self.k_scale, self.v_scale
         # RoPE of q and k in place, then k and v into their pages (one kernel with the rope_store fusion).
-        q, k = self.ops.rope_store_kv(positions, q, k, v, cos_sin, k_cache, v_cache, meta.slot_mapping,
-                                      k_scale, v_scale)
+        q, k = self.ops.rope_store_kv(positions, q, k, v, cos_sin, k_cache, v_cache, slot_mapping,
+                                      self.k_scale, self.v_scale)
+        return q, k, v
+
+    def decode_attend(self, q: torch.Tensor, kv: KVLayer, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                      num_splits: int | None, out: torch.Tensor) -> torch.Tensor:
+        """Decode tokens' attention: q [S, Hq, D] (one token per sequence) over their pages → `out` [S, Hq, D]."""
+        k_cache, v_cache = kv
+        return self.ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, self.scale, num_splits,
+                                               k_scale=self.k_scale, v_scale=self.v_scale, out=out)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVLayer, meta: AttentionMetadata,
+               out: torch.Tensor, with_decode: bool = True) -> torch.Tensor:
+        """The attention of `project`'s q, k, v into `out` [T, Hq, D]: decode tokens through the decode kernel
+        (unless `with_decode` is False: the caller did theirs), prompt chunks through the contiguous prefill kernel
+        (all at position 0) or the paged one (with context)."""
+        k_cache, v_cache = kv
+        k_scale, v_scale = self.k_scale, self.v_scale
         for peer_layers, peer_slots in meta.kv_mirrors:
-            # The same K/V (k as rotated above) straight into a decode worker's pages: one more store, no copy
+            # The same K/V (k as rotated) straight into a decode worker's pages: one more store, no copy
             # afterwards. Its pool has our KV layout (dtype included), and fp8 scales are the same static values
             # everywhere.
             peer_k, peer_v = peer_layers[self.layer_idx]
             self.ops.store_kv(k, v, peer_k, peer_v, peer_slots, k_scale, v_scale)
-        if not meta.is_prefill:  # a pure decode step (what CUDA graphs capture)
+        num_decode = meta.num_decode_tokens if meta.is_prefill else q.shape[0]
+        if num_decode and with_decode:
             assert meta.block_tables is not None and meta.context_lens is not None
-            out = self.ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                  self.scale, meta.num_splits, k_scale=k_scale, v_scale=v_scale)
-        else:
-            out = self._prefill_attention(q, k, v, kv, meta)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
-
-
-    def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVLayer,
-                           meta: AttentionMetadata) -> torch.Tensor:
-        """A step with prompt chunks: its leading decode tokens through the decode kernel, the chunks through the
-        contiguous prefill kernel (all at position 0) or the paged one (with context)."""
+            self.decode_attend(q[:num_decode], kv, meta.block_tables, meta.context_lens, meta.num_splits,
+                               out[:num_decode])
+        if not meta.is_prefill:  # a pure decode step (what the decode graphs capture whole)
+            return out
         assert meta.cu_seqlens is not None
-        k_cache, v_cache = kv
-        k_scale, v_scale = self.k_scale, self.v_scale
-        num_decode = meta.num_decode_tokens
-        q_chunks = q[num_decode:]
+        q_chunks, out_chunks = q[num_decode:], out[num_decode:]
         if meta.seq_lens is not None:
             assert meta.prefill_block_tables is not None
-            out = self.ops.paged_prefill_attention(q_chunks, k_cache, v_cache, meta.prefill_block_tables,
-                                                   meta.cu_seqlens, meta.seq_lens, meta.max_seqlen, self.scale,
-                                                   k_scale=k_scale, v_scale=v_scale)
+            self.ops.paged_prefill_attention(q_chunks, k_cache, v_cache, meta.prefill_block_tables, meta.cu_seqlens,
+                                             meta.seq_lens, meta.max_seqlen, self.scale, k_scale=k_scale,
+                                             v_scale=v_scale, out=out_chunks)
         else:
             k_new, v_new = k[num_decode:], v[num_decode:]
             if k_scale is not None and v_scale is not None:
                 # fp8 cache: attend to the keys and values as stored, as every later chunk and decode step reads
                 # them, so that a prompt's result does not depend on how it was chunked (or prefix-cached).
                 k_new, v_new = _as_stored(k_new, k_scale), _as_stored(v_new, v_scale)
-            out = self.ops.prefill_attention(q_chunks, k_new, v_new, meta.cu_seqlens, meta.max_seqlen, self.scale)
-        if num_decode == 0:
-            return out
-        assert meta.block_tables is not None and meta.context_lens is not None
-        decoded = self.ops.paged_decode_attention(q[:num_decode], k_cache, v_cache, meta.block_tables,
-                                                  meta.context_lens, self.scale, meta.num_splits,
-                                                  k_scale=k_scale, v_scale=v_scale)
-        return torch.cat([decoded, out])
+            self.ops.prefill_attention(q_chunks, k_new, v_new, meta.cu_seqlens, meta.max_seqlen, self.scale,
+                                       out=out_chunks)
+        return out
 
 
 def _as_stored(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -127,9 +133,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv: KVLayer, meta: AttentionMetadata, cos_sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                      kv: KVLayer, slot_mapping: torch.Tensor, cos_sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm (with the residual add), then q, k, v (K/V stored): → (q, k, v, residual)."""
         norm = self.input_layernorm
         if residual is None:
             residual = hidden
@@ -137,7 +144,19 @@ class LlamaDecoderLayer(nn.Module):
         else:
             # The residual add rides along with the norm: one pass over the activations, not two.
             hidden, residual = self.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        hidden = self.self_attn(positions, hidden, kv, meta, cos_sin)
+        q, k, v = self.self_attn.project(positions, hidden, kv, slot_mapping, cos_sin)
+        return q, k, v, residual
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, kv: KVLayer,
+                meta: AttentionMetadata, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole layer: → (hidden, residual) (the model runs it as pieces: `LlamaForCausalLM.piece`)."""
+        q, k, v, residual = self.pre_attention(positions, hidden, residual, kv, meta.slot_mapping, cos_sin)
+        out = self.self_attn.attend(q, k, v, kv, meta, torch.empty_like(q))
+        return self.post_attention(out.view(out.shape[0], -1), residual)
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output projection of the attention [T, Hq * D], norm (with the residual add), MLP: → (hidden, residual)."""
+        hidden = self.self_attn.o_proj(attn_out)
         norm = self.post_attention_layernorm
         hidden, residual = self.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
         return self.mlp(hidden), residual
@@ -161,21 +180,61 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def piece(self, i: int, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+              slot_mapping: torch.Tensor, kv_cache: list[KVLayer], cos_sin: torch.Tensor
+              ) -> tuple[torch.Tensor, ...]:
+        """Piece i of N + 1: the work between attention i - 1 and attention i, per token (no mixing across tokens, no
+        host reads): what a piecewise CUDA graph captures. Piece 0 embeds `hidden` (the token ids [T]); piece i > 0
+        finishes layer i - 1 from its attention output `hidden` [T, Hq * D] and `residual`. Pieces 0..N-1 end with
+        layer i's q, k, v (K/V stored) → (q, k, v, residual); piece N with the final norm → (hidden [T, hidden],)."""
+        if i == 0:
+            hidden, residual = self.model.embed_tokens(hidden), None  # [T, hidden]
+        else:
+            assert residual is not None
+            hidden, residual = self.layer(i - 1).post_attention(hidden, residual)
+        if i == self.num_layers:
+            assert residual is not None
+            norm = self.model.norm
+            hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
+            return (hidden,)
+        return self.layer(i).pre_attention(positions, hidden, residual, kv_cache[i], slot_mapping, cos_sin)
+
+    def layer(self, i: int) -> LlamaDecoderLayer:
+        layer = self.model.layers[i]
+        assert isinstance(layer, LlamaDecoderLayer)
+        return layer
+
+    def attention(self, i: int) -> LlamaAttention:
+        attention = self.layer(i).self_attn
+        assert isinstance(attention, LlamaAttention)
+        return attention
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: list[KVLayer],
+               meta: AttentionMetadata, out: torch.Tensor | None = None, with_decode: bool = True) -> torch.Tensor:
+        """Layer i's attention of the pieces' q, k, v → [T, Hq * D] (into `out` [T, Hq, D] where given; the decode
+        tokens' only `with_decode`)."""
+        out = self.attention(i).attend(q, k, v, kv_cache[i], meta, torch.empty_like(q) if out is None else out,
+                                       with_decode)
+        return out.view(out.shape[0], -1)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: list[KVLayer],
                 meta: AttentionMetadata, cos_sin: torch.Tensor,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Hidden states of every token, [T, hidden]. `on_layer_done(i)` runs once layer i's K/V
         are in the cache (the prefill role ships them while the next layer computes)."""
-        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
-        residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.model.layers):
-            hidden, residual = layer(positions, hidden, residual, kv_cache[i], meta, cos_sin)
+        q, k, v, residual = self.piece(0, input_ids, None, positions, meta.slot_mapping, kv_cache, cos_sin)
+        for i in range(self.num_layers):
+            attn_out = self.attend(i, q, k, v, kv_cache, meta)
             if on_layer_done is not None:
                 on_layer_done(i)
-        assert residual is not None
-        norm = self.model.norm
-        hidden, _ = self.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return hidden
+            result = self.piece(i + 1, attn_out, residual, positions, meta.slot_mapping, kv_cache, cos_sin)
+            if i + 1 < self.num_layers:
+                q, k, v, residual = result
+        return result[0]
 
     def set_kv_scales(self, scales: torch.Tensor | None) -> None:
         """fp8 KV cache: every attention reads its layer's static K and V scales from `scales` [L, 2, Hkv] float32

@@ -6,6 +6,7 @@ token per sequence for decode), runs the forward, and samples one token per requ
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -13,7 +14,7 @@ import torch
 
 from tandem.common.config import EngineConfig
 from tandem.engine.attention import AttentionMetadata
-from tandem.engine.cuda_graphs import DecodeGraphs
+from tandem.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from tandem.engine.kv_cache import KVCache, as_bytes, kv_cache_dtype, num_blocks_to_allocate
 from tandem.engine.model import LlamaForCausalLM
 from tandem.engine.request import KVMirror, Request
@@ -38,6 +39,10 @@ class DecodeInputs:
     def to(self, device: torch.device) -> DecodeInputs:
         """On `device`; asynchronous copies from pinned host tensors."""
         return DecodeInputs(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
+
+
+# "0": steps with prompt tokens run eagerly (the A/B switch of the benchmarks; also `LLM(piecewise_cuda_graphs=False)`).
+PIECEWISE_ENV = "TANDEM_PIECEWISE_GRAPHS"
 
 
 def select_ops(config: EngineConfig) -> Ops:
@@ -76,10 +81,15 @@ class ModelRunner:
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: PiecewiseGraphs | None = None
         # The references sync with the host (boolean indexing), which a capture forbids: graphs need Triton.
         if self.device.type == "cuda" and config.use_cuda_graphs and self.ops.name == "triton":
             self.graphs = DecodeGraphs(self, max_batch_size=config.scheduler.max_num_seqs)
             self.graphs.capture()
+            if config.piecewise_cuda_graphs and os.environ.get(PIECEWISE_ENV, "1") != "0":
+                self.mixed_graphs = PiecewiseGraphs(self, max_tokens=config.budget,
+                                                    max_decodes=config.scheduler.max_num_seqs)
+                self.mixed_graphs.capture()
 
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -140,9 +150,11 @@ class ModelRunner:
             slots += self._slots(request, start, start + num_new)
             bounds.append(bounds[-1] + num_new)
         cu_seqlens = [b - num_decode for b in bounds[num_decode:]]
+        num_tokens = bounds[-1]
+        graphs = self.mixed_graphs if self.mixed_graphs is not None and self.mixed_graphs.can_run(num_tokens) else None
         meta = AttentionMetadata(
             is_prefill=True,
-            slot_mapping=self._to_device(slots, torch.int64),
+            slot_mapping=graphs.slot_mapping if graphs is not None else self._to_device(slots, torch.int64),
             cu_seqlens=self._to_device(cu_seqlens, torch.int32),
             max_seqlen=max(n for _, _, n in prompt_chunks),
             num_decode_tokens=num_decode,
@@ -155,8 +167,14 @@ class ModelRunner:
             meta.block_tables = self._block_tables([r for r, _, _ in decodes])
             meta.context_lens = self._to_device([start + 1 for _, start, _ in decodes], torch.int32)
             meta.num_splits = self.num_splits_for(num_decode)
-        hidden = self.model(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
-                            self.kv_layers, meta, self.cos_sin, on_layer_done)
+        if graphs is not None:
+            padding = graphs.bucket(num_tokens) - num_tokens
+            hidden = graphs.run(self._host(input_ids + [0] * padding, torch.int64),
+                                self._host(positions + [0] * padding, torch.int64),
+                                self._host(slots + [-1] * padding, torch.int64), num_tokens, meta, on_layer_done)
+        else:
+            hidden = self.model(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
+                                self.kv_layers, meta, self.cos_sin, on_layer_done)
         last = self._to_device([row for end, count in zip(bounds[1:], num_logits, strict=True)
                                 for row in range(end - count, end)], torch.int64)
         return self.model.compute_logits(hidden[last])

@@ -10,6 +10,11 @@ request is preempted by recompute (its blocks are freed and it goes back to the 
 
 Without chunked prefill a prompt is scheduled whole or not at all (the budget must then hold a whole prompt).
 
+A step that carries decode tokens computes at most `prompt_tokens_while_decoding` prompt tokens while the queue is
+short (the stall-free batching of Sarathi-Serve: the decoding requests' inter-token latency stays near a decode
+step's), and the whole budget once more prompt tokens wait than BACKLOG_STEPS such steps would clear (throughput
+first when the queue builds).
+
 Prefix caching: on admission a request's full blocks are looked up by hash in the block pool; the cached prefix
 is shared (reference counted) and not computed again (its tokens count as computed), and every block that fills
 up with computed K/V is registered under its hash for later requests. At least the last token is always
@@ -22,7 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.common.config import SchedulerConfig
+from tandem.common.config import BACKLOG_STEPS, SchedulerConfig
 from tandem.common.prefix_cache import BlockHash, block_hashes
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.request import Request, RequestStatus
@@ -141,6 +146,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         budget: int = self.config.max_num_batched_tokens  # type: ignore[assignment]  # resolved (see __init__)
         chunked = self.config.enable_chunked_prefill
+        prompt_budget = self._prompt_budget(budget) if chunked else budget
         decodes: list[tuple[Request, int]] = []
         chunks: list[tuple[Request, int]] = []
         preempted: list[Request] = []
@@ -154,7 +160,11 @@ class Scheduler:
                     continue
                 num_new = budget
             if chunked and request.is_prefilling:
-                num_new = min(num_new, chunk_limit(budget, request.num_computed_tokens))
+                num_new = min(num_new, chunk_limit(budget, request.num_computed_tokens), prompt_budget)
+                if num_new <= 0:
+                    index += 1  # the step's prompt tokens are spent: this prompt continues next step
+                    continue
+                prompt_budget -= num_new
             if request.spec_token_ids:
                 # Verify proposals too, as far as the budget and the free blocks allow: speculation never
                 # preempts anyone (its proposals are dropped first).
@@ -170,13 +180,27 @@ class Scheduler:
             index += 1
         reserved: list[Request] = []
         if not preempted:  # a step that had to preempt admits nobody new
-            budget = self._admit(budget, chunks, reserved)
+            self._admit(min(budget, prompt_budget), chunks, reserved)
         # Decode tokens first (one per request, then the verify runs of requests with proposals), then prompt chunks.
         scheduled = [d for d in decodes if d[1] == 1] + [d for d in decodes if d[1] > 1] + chunks
         if not scheduled and not preempted and not reserved:
             return None
         return SchedulerOutput(requests=[r for r, _ in scheduled], num_new_tokens=[n for _, n in scheduled],
                                preempted=preempted, reserved=reserved)
+
+    def _prompt_budget(self, budget: int) -> int:
+        """Prompt tokens this step may compute: `prompt_tokens_while_decoding` when some running request decodes
+        and the queue is short, else the whole budget."""
+        cap = self.config.prompt_tokens_while_decoding
+        if not cap or cap >= budget or all(r.is_prefilling for r in self.running):
+            return budget
+        backlog = 0
+        for request in (*self.running, *self.waiting):
+            if request.is_prefilling or (request.status == RequestStatus.WAITING and not request.remote_prefill):
+                backlog += request.num_tokens - request.num_computed_tokens
+                if backlog > BACKLOG_STEPS * cap:
+                    return budget
+        return cap
 
     def _grow(self, request: Request, num_new: int, index: int, preempted: list[Request]) -> bool:
         """Blocks for `request`'s next `num_new` tokens, preempting the newest running requests after it (then

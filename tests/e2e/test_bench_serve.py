@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def test_bench_serve_reports_every_rate(tmp_path: Path, smollm2_path: Path) -> None:
     for stack in start_stack(tmp_path, model="dummy:tiny"):
         out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+        hits_before = stack.metric("decode", "tandem_prefix_cache_hits_total")  # the workers' warm-up's own
         done = subprocess.run(
             [sys.executable, "-m", "tandem.cli", "bench", "serve", "--address", stack.address("gateway"),
              "--rates", "4,inf", "--num-requests", "6", "--prompt-len", "uniform:8:40",
@@ -32,3 +33,7 @@ def test_bench_serve_reports_every_rate(tmp_path: Path, smollm2_path: Path) -> N
             assert 0.0 <= result["slo_attainment"] <= 1.0
         assert png.stat().st_size > 0
         assert "goodput" in done.stdout  # the table is printed last
+        # Every rate sent prompts of its own: none came out of the prefix cache (a rate that repeated an earlier
+        # one's would have measured decode alone).
+        assert report["results"][0]["seed"] != report["results"][1]["seed"]
+        assert stack.metric("decode", "tandem_prefix_cache_hits_total") == hits_before

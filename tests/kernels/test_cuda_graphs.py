@@ -161,3 +161,25 @@ def test_combine_in_kernel_replays_like_the_combine_launch() -> None:
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2, msg=lambda m, s=step: f"replay {s}: {m}")
+
+
+def test_piecewise_graphs_give_the_eager_tokens() -> None:
+    """Steps with prompt tokens (chunks beside decode tokens, later chunks over context) through captured pieces give
+    the tokens of the eager forward, in float32."""
+    from tandem import LLM, SamplingParams
+    from tests.factories import prompts_for
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = prompts_for(256, [70, 3, 45, 17, 33, 100, 260])
+    outputs = {}
+    for piecewise in (False, True):
+        llm = LLM("dummy:tiny", device="cuda", dtype="float32", max_model_len=512, max_num_batched_tokens=64,
+                  max_num_seqs=8, block_size=16, piecewise_cuda_graphs=piecewise, num_kv_blocks=256)
+        runner = llm.engine.runner
+        assert (runner.mixed_graphs is not None) == piecewise
+        if piecewise:
+            assert runner.mixed_graphs is not None and runner.mixed_graphs.buckets[-1] == 64
+        outputs[piecewise] = [o.token_ids for o in llm.generate(prompts, params)]
+        del llm
+        torch.cuda.empty_cache()
+    assert outputs[True] == outputs[False]

@@ -23,9 +23,11 @@ def make_request(req_id: str, prompt_len: int, max_tokens: int = 8, **kw: object
                    params=SamplingParams(max_tokens=max_tokens, **kw), seed=0)  # type: ignore[arg-type]
 
 
-def make_scheduler(num_blocks: int, max_num_seqs: int = 8, budget: int = 64, chunked: bool = False) -> Scheduler:
+def make_scheduler(num_blocks: int, max_num_seqs: int = 8, budget: int = 64, chunked: bool = False,
+                   prompt_cap: int = 0) -> Scheduler:
     """Whole-prompt steps unless `chunked` (the tests of chunked prefill are below)."""
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                             prompt_tokens_while_decoding=prompt_cap)
     return Scheduler(config, BlockPool(num_blocks), BLOCK, (EOS,))
 
 
@@ -138,13 +140,15 @@ def test_finish_frees_blocks_in_every_state() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(6, 24), chunked=st.booleans(),
-       budget=st.integers(1, 64))
-def test_random_mix_always_returns_every_block(seed: int, num_blocks: int, chunked: bool, budget: int) -> None:
-    """Any mix of finishing, EOS-stopped, aborted and preempted requests, with prompts in chunks or whole, leaves
-    the pool whole, and every request that is not aborted finishes."""
+       budget=st.integers(1, 64), prompt_cap=st.integers(0, 12))
+def test_random_mix_always_returns_every_block(seed: int, num_blocks: int, chunked: bool, budget: int,
+                                               prompt_cap: int) -> None:
+    """Any mix of finishing, EOS-stopped, aborted and preempted requests, with prompts in chunks or whole (and
+    prompt tokens capped beside decodes), leaves the pool whole, and every request that is not aborted finishes."""
     rng = random.Random(seed)
     budget = budget if chunked else 64  # whole prompts need a budget that holds one
-    scheduler = make_scheduler(num_blocks=num_blocks, max_num_seqs=4, budget=budget, chunked=chunked)
+    scheduler = make_scheduler(num_blocks=num_blocks, max_num_seqs=4, budget=budget, chunked=chunked,
+                               prompt_cap=prompt_cap)
     live: list[Request] = []
     for step in range(60):
         if rng.random() < 0.4:
@@ -194,6 +198,29 @@ def test_long_prompt_is_computed_in_chunks_next_to_running_decodes() -> None:
     assert seen == [[("d", 1), ("p", 7)], [("d", 1), ("p", 7)], [("d", 1), ("p", 5)]]
     assert long.num_output_tokens == 1 and running.num_output_tokens == 4
     assert long.num_computed_tokens == 19
+
+
+def test_prompt_tokens_beside_decodes_are_capped_until_the_queue_builds() -> None:
+    scheduler = make_scheduler(num_blocks=256, budget=64, chunked=True, prompt_cap=8, max_num_seqs=16)
+    decoding = make_request("d", 3, max_tokens=100)
+    scheduler.add(decoding)
+    run_step(scheduler)  # alone: its whole prompt (no one decodes yet)
+    scheduler.add(make_request("p", 20, max_tokens=2))
+    output = scheduler.schedule()
+    assert output is not None
+    # One decode token, then at most 8 prompt tokens: the queue (20 tokens) is short.
+    assert list(zip([r.req_id for r in output.requests], output.num_new_tokens, strict=True)) == [("d", 1), ("p", 8)]
+    scheduler.update_from_output(output, [5], [0.0])
+    # 8 x 8 = 64 tokens clear the queue in "capped" steps; with 12 + 70 waiting the whole budget is used.
+    scheduler.add(make_request("q", 70, max_tokens=2))
+    output = scheduler.schedule()
+    assert output is not None
+    assert output.num_new_tokens[0] == 1 and sum(output.num_new_tokens) == 64
+    # Nobody decoding: no cap either.
+    idle = make_scheduler(num_blocks=256, budget=64, chunked=True, prompt_cap=8)
+    idle.add(make_request("a", 30, max_tokens=2))
+    first = idle.schedule()
+    assert first is not None and first.num_new_tokens == [30]
 
 
 def test_budget_below_the_running_count_runs_as_many_decodes_as_fit() -> None:

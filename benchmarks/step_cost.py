@@ -1,0 +1,160 @@
+"""What one engine step costs by shape, and whether the host or the GPU sets it.
+
+    python -m tandem.benchmarks.step_cost --model dummy:llama-3.1-8b --device cuda \
+        --prompt-tokens 128,256,512,1024,2048 --decodes 0,16 [--profile]
+
+For every (prompt tokens P, decoding sequences D): D requests decode while one new request's P prompt tokens are
+computed in the same step (P = 0: a pure decode step). Reported per shape, medians of `--repeat` steps:
+
+  wall_ms     the step, from `Engine.step()` to its sampled tokens on the host
+  enqueue_ms  the forward's host time, inputs included (until the runner's logits call returns, kernels still
+              queued): eager launches, or piecewise/decode graph replays
+  gpu_ms      the forward's GPU time (CUDA events around that call)
+
+`enqueue_ms` close to `gpu_ms` means the host launches kernels no faster than the GPU runs them: the step is
+host-bound, and CUDA graphs (or fewer launches) are what shortens it. With `--profile`, the GPU kernels of one step
+of each shape, by total time (torch.profiler). JSON out (`--out`), a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from tandem.common.sampling_params import SamplingParams
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="dummy:tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--prompt-tokens", type=_ints, default=_ints("0,128,512,1024"))
+    parser.add_argument("--decodes", type=_ints, default=_ints("0,16"))
+    parser.add_argument("--context", type=int, default=1024, help="the decoding sequences' prompt length")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="kernel times of one step per shape")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    import torch
+
+    import tandem
+    from tandem.engine.llm import LLM
+
+    max_p = max(args.prompt_tokens)
+    max_d = max(args.decodes)
+    steps_needed = (args.repeat + 2) * len(args.prompt_tokens) * (2 if args.profile else 1) + 8
+    max_model_len = max(max_p, args.context) + steps_needed + 64
+    started = time.perf_counter()
+    llm = LLM(args.model, device=args.device, max_num_seqs=max(max_d, 1) + 1,
+              max_num_batched_tokens=max(max_p + max_d, args.context * max(max_d, 1), 16),
+              max_model_len=max_model_len, prompt_tokens_while_decoding=0)  # the shapes as asked
+    engine = llm.engine
+    runner = engine.runner
+    engine.warm_up()
+    startup_s = time.perf_counter() - started  # weights, KV pool, graph captures, warm-up compiles
+    cuda = runner.device.type == "cuda"
+    vocab = engine.config.model.vocab_size
+    timing: dict[str, Any] = {}
+    originals = {name: getattr(runner, name) for name in ("chunk_logits", "decode_logits")}
+
+    def timed(fn: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            t0 = time.perf_counter()
+            logits = fn(*a, **kw)
+            timing["enqueue"] = time.perf_counter() - t0
+            if cuda:
+                end.record()
+                timing["events"] = (begin, end)
+            return logits
+        return call
+
+    for name, fn in originals.items():
+        setattr(runner, name, timed(fn))
+    rows: list[dict[str, Any]] = []
+    counter = 0
+    for num_decode in args.decodes:
+        # D long-running requests, past their prompts.
+        for i in range(num_decode):
+            engine.add_request(f"d{num_decode}-{i}", [(7 * i + j) % vocab for j in range(args.context)],
+                               SamplingParams(max_tokens=max_model_len - args.context - 1, temperature=0.0,
+                                              ignore_eos=True))
+        while any(r.is_prefilling for r in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        for num_prompt in args.prompt_tokens:
+            if num_prompt == 0 and num_decode == 0:
+                continue
+            samples: dict[str, list[float]] = {"wall": [], "enqueue": [], "gpu": []}
+            profile: list[dict[str, Any]] = []
+            for rep in range(args.repeat + 1 + int(args.profile)):
+                if num_prompt:
+                    counter += 1
+                    engine.add_request(f"p{counter}", [(11 * counter + j) % vocab for j in range(num_prompt)],
+                                       SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+                profiling = args.profile and rep == args.repeat + 1
+                if cuda:
+                    torch.cuda.synchronize()
+                prof = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                        if profiling and cuda else None)
+                if prof is not None:
+                    prof.__enter__()
+                t0 = time.perf_counter()
+                engine.step()
+                wall = time.perf_counter() - t0
+                if prof is not None:
+                    torch.cuda.synchronize()
+                    prof.__exit__(None, None, None)
+                    kernels = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+                    profile = [{"name": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 3)}
+                               for e in kernels[:15]]
+                if rep == 0 or profiling:
+                    continue  # the first step of a shape settles allocations
+                samples["wall"].append(wall)
+                samples["enqueue"].append(timing["enqueue"])
+                if cuda:
+                    begin, end = timing["events"]
+                    samples["gpu"].append(begin.elapsed_time(end) / 1e3)
+            row: dict[str, Any] = {"prompt_tokens": num_prompt, "decodes": num_decode}
+            for key, values in samples.items():
+                row[f"{key}_ms"] = round(statistics.median(values) * 1e3, 3) if values else None
+            if profile:
+                row["kernels"] = profile
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+        for i in range(num_decode):
+            engine.abort(f"d{num_decode}-{i}")
+        while engine.has_unfinished():
+            engine.step()
+    for name, fn in originals.items():
+        setattr(runner, name, fn)
+
+    report = {"benchmark": "step_cost", "args": vars(args) | {"out": str(args.out)},
+              "versions": {"tandem": tandem.__version__, "torch": torch.__version__},
+              "gpu": torch.cuda.get_device_name() if cuda else None,
+              "piecewise_graphs": runner.mixed_graphs is not None, "startup_s": round(startup_s, 2),
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+    print(f"piecewise graphs: {'on' if runner.mixed_graphs is not None else 'off'}; engine up in {startup_s:.1f} s")
+    print(f"{'prompt':>7s} {'decodes':>7s} {'wall ms':>8s} {'enqueue ms':>10s} {'gpu ms':>7s}")
+    for r in rows:
+        gpu = f"{r['gpu_ms']:7.2f}" if r["gpu_ms"] is not None else "      -"
+        print(f"{r['prompt_tokens']:7d} {r['decodes']:7d} {r['wall_ms']:8.2f} {r['enqueue_ms']:10.2f} {gpu}")
+        for k in r.get("kernels", [])[:6]:
+            print(f"        {k['ms']:8.3f} ms  {k['calls']:4d}x  {k['name']}")
+
+
+if __name__ == "__main__":
+    main()
