@@ -45,7 +45,12 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 PROMPT_SETS = {"grounded": GROUNDED, "open": OPEN, "all": GROUNDED + OPEN}
 
 
-def speculative_config(draft_model: str | None, k: int) -> dict[str, Any]:
+def speculative_config(draft_model: str | None, k: int, disable_by_batch_size: int | None = None) -> dict[str, Any]:
+    extra = {} if disable_by_batch_size is None else {"disable_by_batch_size": disable_by_batch_size}
+    return _speculative_config(draft_model, k) | extra
+
+
+def _speculative_config(draft_model: str | None, k: int) -> dict[str, Any]:
     if draft_model is None:
         return NGRAM | {"num_speculative_tokens": k}
     return {"method": "draft_model", "model": draft_model, "num_speculative_tokens": k}
@@ -100,6 +105,8 @@ def main() -> None:
     parser.add_argument("--draft-model", default=None,
                         help="speculate with this draft model (same vocabulary) instead of n-gram prompt lookup")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="speculative_config's disable_by_batch_size (default: always speculate)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -121,7 +128,7 @@ def main() -> None:
         model, max_tokens, max_model_len, num_prompts = "dummy:tiny", 8, 512, 2
         draft_model = "dummy:tiny" if draft_model is not None else None
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    spec = speculative_config(draft_model, args.num_speculative_tokens)
+    spec = speculative_config(draft_model, args.num_speculative_tokens, args.disable_by_batch_size)
     num_kv_blocks = args.num_kv_blocks
     if num_kv_blocks is None and args.device.startswith("cuda"):
         num_kv_blocks = max(batches) * math.ceil(max_model_len / 16) + 64

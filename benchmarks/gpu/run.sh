@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, by suite: `benchmarks/gpu/run.sh SUITE [SUITE ...]` on the GPU host, after
 # `benchmarks/gpu/prepare.sh` here (carry `.whl`). Every step writes under $OUT, its log to $OUT/run.log; a
-# table of the steps (exit code, seconds) comes last.
+# table of the steps (exit code, seconds) comes last. On the GPU host everything lands in $OUT/results.tgz (below).
 #
 #   kernels  kernel tests (Triton vs references, fp32 and bf16) and the kernel benchmark
 #   engine   engine correctness vs the reference path, decode latency vs the HBM floor, offline throughput vs HF
@@ -38,6 +38,13 @@ else
     PY=python3
     DEVICE=cuda BIG=dummy:llama-3.1-8b SMALL=dummy:llama-3.2-1b SCALE=1 DRY= TI=
 fi
+# A call brings back at most 8 files from $OUT: the steps write into a scratch folder, packed into $OUT/results.tgz
+# after every step (so a call cut short still returns what ran); the dry run keeps its files in $OUT.
+if [ "${DRY_RUN:-0}" != 1 ]; then
+    ARCHIVE="$OUT/results.tgz"
+    mkdir -p "$OUT"
+    OUT=$(mktemp -d /tmp/gpu-out.XXXXXX)
+fi
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
 SUMMARY="$OUT/summary.tsv"
@@ -57,6 +64,7 @@ step() {
     printf "%s\t%s\t%s\n" "$name" "$rc" "$((SECONDS - start))" >> "$SUMMARY"
     echo "rc=$rc ($((SECONDS - start)) s)" | tee -a "$LOG"
     tail -3 "$OUT/$name.log"
+    if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE" -C "$OUT" .; fi
 }
 # n FULL DRY: a count for the real run, a tiny one for the dry run.
 n() { if [ "$SCALE" = 1 ]; then echo "$1"; else echo "$2"; fi; }

@@ -233,8 +233,13 @@ class Engine:
                 if request.num_spec_allowed == 0:
                     request.num_spec_allowed = -self.SPEC_COOLDOWN_STEPS
         candidates = []
+        limit = self.speculative.disable_by_batch_size
+        # A batch this large speculates no more (until it shrinks): only the allowances above keep adapting.
+        batch_too_large = limit is not None and len(self.scheduler.running) >= limit
         for request in requests:
             request.spec_draft_probs = None
+            if batch_too_large:
+                continue
             if request.status is not RequestStatus.RUNNING or request.is_prefilling or request.prefill_only:
                 continue
             if request.num_spec_allowed < 0:  # cooling down; then it tries one proposal again

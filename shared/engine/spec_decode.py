@@ -49,7 +49,8 @@ METHODS = ("ngram", "draft_model")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config`: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N,
-    "prompt_lookup_min": M} or {"method": "draft_model", "model": NAME, "num_speculative_tokens": K}."""
+    "prompt_lookup_min": M} or {"method": "draft_model", "model": NAME, "num_speculative_tokens": K}; either with
+    "disable_by_batch_size": B (no proposals while B or more requests are running)."""
 
     method: str
     num_speculative_tokens: int
@@ -58,6 +59,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     # draft_model: the draft's model name (a preset, a local HF folder, dummy:<shape>); same vocabulary.
     model: str | None = None
+    # No proposals in a step while this many requests or more are running: a large batch is compute-bound, and
+    # verifying proposals there costs more than the forwards it saves (vLLM's key; None: always speculate).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -65,6 +69,9 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ConfigError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ConfigError(f"disable_by_batch_size must be an integer >= 1 (or absent), got {b!r}")
         if self.method == "ngram":
             self._check_ngram()
         else:

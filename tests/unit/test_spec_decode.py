@@ -75,6 +75,8 @@ def test_config_accepts_vllms_dicts_and_resolves_ngram_bounds_as_vllm() -> None:
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "smollm2-135m"}, "model"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": "4"}, "disable_by_batch_size"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, "model"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "m", "prompt_lookup_max": 3},
      "prompt_lookup_max"),

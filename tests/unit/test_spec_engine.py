@@ -67,6 +67,33 @@ def test_it_speculates_and_accepts_when_the_model_copies(smollm2_path: Path) -> 
     assert len(steps) < 0.7 * len(got.token_ids)  # fewer target forwards than tokens
 
 
+def test_no_proposals_while_the_batch_is_at_disable_by_batch_size(tmp_path: Path) -> None:
+    """Three repetitive prompts together (3 running) with disable_by_batch_size 3: no step verifies proposals while all
+    three run; the same tokens as decoding one at a time; alone, a request speculates again."""
+    save_random_hf_model(tmp_path)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(tmp_path), max_model_len=256, block_size=8)
+    spec = LLM(str(tmp_path), max_model_len=256, block_size=8,
+               speculative_config=SPEC | {"disable_by_batch_size": 3})
+    drafted: list[tuple[int, int]] = []  # (running requests, tokens drafted) per step
+    step = spec.engine.step
+
+    def recording():  # type: ignore[no-untyped-def]
+        running = len(spec.engine.scheduler.running)
+        result = step()
+        drafted.append((running, result.num_draft_tokens))
+        return result
+
+    spec.engine.step = recording  # type: ignore[method-assign]
+    prompts = _repetitive_prompts()
+    assert [o.token_ids for o in spec.generate(prompts, params)] == \
+        [o.token_ids for o in plain.generate(prompts, params)]
+    assert all(num == 0 for running, num in drafted if running >= 3)
+    drafted.clear()
+    spec.generate(prompts[:1], params)
+    assert sum(num for _, num in drafted) > 0
+
+
 def test_stop_token_and_max_tokens_mid_proposal(tmp_path: Path) -> None:
     save_random_hf_model(tmp_path)
     plain, spec = _llms(tmp_path)
