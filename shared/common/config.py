@@ -143,13 +143,12 @@ PREFILL_BATCHED_TOKENS_CUDA = 8192
 OFFLINE_BATCHED_TOKENS_CUDA = 16384
 # Without chunked prefill a whole prompt must fit one step.
 DEFAULT_BATCHED_TOKENS_UNCHUNKED = 8192
-# Prompt tokens a step may carry beside decode tokens while the queue is short (`SchedulerConfig`); 0: no cap, the
-# default everywhere. Measured on an H200 (llama-3.1-8b, 1,024/256 tokens at 2 req/s, piecewise graphs on;
-# benchmarks/results/h200-2026-12-02/): no cap: TTFT p50 35.6 ms, ITL p99 10.3 ms; a cap of 512: 41.8 / 17.1 ms; of
-# 384: 53.8 / 17.3 ms. A 1,024-token prompt then takes 2-3 steps that were not much shorter (16 ms for 512 prompt
-# tokens beside ~3 decodes, against 12.8 ms alone: our reading is the GEMMs' rows padded past a tile). Left as an
-# option for experiments.
-DEFAULT_PROMPT_TOKENS_WHILE_DECODING = {"cuda": 0, "cpu": 0}
+# `SchedulerConfig.prompt_tokens_while_decoding`, prompt tokens a step may carry beside decode tokens while the queue
+# is short, is 0 (no cap) by default on every device. Measured on an H200 (llama-3.1-8b, 1,024/256 tokens at 2
+# req/s, piecewise graphs on; benchmarks/results/h200-2026-12-02/): no cap: TTFT p50 35.6 ms, ITL p99 10.3 ms; a cap
+# of 512: 41.8 / 17.1 ms; of 384: 53.8 / 17.3 ms. A 1,024-token prompt then takes 2-3 steps that were not much
+# shorter (16 ms for 512 prompt tokens beside ~3 decodes, against 12.8 ms alone: our reading is the GEMMs' rows padded
+# past a tile). Left as an option for experiments.
 # The cap is lifted while more prompt tokens wait than this many capped steps would clear (throughput first when the
 # queue builds).
 BACKLOG_STEPS = 8
@@ -170,9 +169,8 @@ class SchedulerConfig:
     # Long prompts are computed in chunks, in steps shared with the running requests' decode tokens.
     enable_chunked_prefill: bool = True
     # With chunked prefill: a step that carries decode tokens computes at most this many prompt tokens, unless more
-    # than BACKLOG_STEPS times as many wait (then the whole budget); None: the device's default
-    # (DEFAULT_PROMPT_TOKENS_WHILE_DECODING), 0: no cap.
-    prompt_tokens_while_decoding: int | None = None
+    # than BACKLOG_STEPS times as many wait (then the whole budget); 0: no cap (the default, see above).
+    prompt_tokens_while_decoding: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -181,20 +179,15 @@ class SchedulerConfig:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.prompt_tokens_while_decoding is not None and self.prompt_tokens_while_decoding < 0:
+        if self.prompt_tokens_while_decoding < 0:
             raise ConfigError(f"prompt_tokens_while_decoding must be >= 0 (0: no cap), got "
                               f"{self.prompt_tokens_while_decoding}")
 
     def resolved(self, device: str) -> SchedulerConfig:
-        """With the token budget and the prompt-token cap chosen for `device` where none was given."""
-        resolved = self
-        if resolved.max_num_batched_tokens is None:
-            resolved = replace(resolved,
-                               max_num_batched_tokens=default_batched_tokens(device, self.enable_chunked_prefill))
-        if resolved.prompt_tokens_while_decoding is None:
-            resolved = replace(resolved, prompt_tokens_while_decoding=DEFAULT_PROMPT_TOKENS_WHILE_DECODING[
-                "cpu" if device == "cpu" else "cuda"])
-        return resolved
+        """With the token budget chosen for `device` when none was given."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        return replace(self, max_num_batched_tokens=default_batched_tokens(device, self.enable_chunked_prefill))
 
 
 def default_batched_tokens(device: str, enable_chunked_prefill: bool = True, role: str = "decode") -> int:
@@ -271,7 +264,7 @@ class EngineConfig:
                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                              max_model_len=max_model_len,
                                              enable_chunked_prefill=enable_chunked_prefill,
-                                             prompt_tokens_while_decoding=prompt_tokens_while_decoding),
+                                             prompt_tokens_while_decoding=prompt_tokens_while_decoding or 0),
                    device=device, dtype=dtype, use_triton=use_triton, use_cuda_graphs=use_cuda_graphs,
                    piecewise_cuda_graphs=piecewise_cuda_graphs, seed=seed)
 

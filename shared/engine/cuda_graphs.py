@@ -115,13 +115,10 @@ class PiecewiseGraphs:
         self.runner = runner
         model = runner.model
         cfg = runner.config.model
-        self.buckets = [b for b in TOKEN_BUCKETS if b <= max_tokens]
-        if max_tokens > TOKEN_BUCKETS[-1] or not self.buckets or self.buckets[-1] < max_tokens:
-            larger = [b for b in TOKEN_BUCKETS if b >= max_tokens]
-            self.buckets.append(larger[0] if larger else TOKEN_BUCKETS[-1])
-            self.buckets = sorted(set(self.buckets))
-        self.decode_buckets = [b for b in BUCKETS if b <= min(max_decodes, self.buckets[-1])]
-        size = max([self.buckets[-1], *self.decode_buckets])
+        limit = min(max_tokens, PIECEWISE_MAX_TOKENS)
+        self.buckets = [b for b in TOKEN_BUCKETS if b < limit] + [next(b for b in TOKEN_BUCKETS if b >= limit)]
+        size = self.buckets[-1]
+        self.decode_buckets = [b for b in BUCKETS if b <= min(max_decodes, size)]
         device, dtype = runner.device, runner.dtype
         num_q, num_kv, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
