@@ -224,9 +224,9 @@ class ModelRunner:
         """Compile every launch configuration of the attention kernels that eager steps can pick, so that no
         request waits for Triton (on an H200, 0.5-3 s per compile): the contiguous prefill kernel's tile sizes
         (by the longest new sequence), the paged prefill kernel's (by the longest chunk: prompt chunks with
-        context, prefix-cache hits, verify steps) and the decode kernel's split layouts at every batch size of an
-        eager mixed step (the captured graphs compiled theirs). Inputs are views of a fused qkv output, as in the
-        model, so strides and alignment match; the caches are only read."""
+        context, prefix-cache hits, verify steps), the mirrored store (prefill role) and the decode kernel's split
+        layouts at every batch size of an eager mixed step (the captured graphs compiled theirs). Inputs are views
+        of a fused qkv output, as in the model, so strides and alignment match; the caches are only read."""
         if self.ops.name != "triton":
             return  # the references compile nothing
         attention = next(m for m in self.model.modules() if hasattr(m, "k_scale"))
@@ -255,6 +255,12 @@ class ModelRunner:
             self.ops.paged_prefill_attention(q, k_cache, v_cache, ints([[0] * -(-seq_len // bs)]),
                                              ints([0, num_tokens]), ints([seq_len]), num_tokens, scale,
                                              k_scale=k_scale, v_scale=v_scale)
+        # The prefill role's second store, into a decode worker's pool on this GPU (only a mirrored request launches
+        # it: the model's own store is fused with RoPE), with int64 slots as `_mirror_slots` makes them; -1 stores
+        # nothing. Left out, the first mirrored request would wait for its compile.
+        _, k, v = qkv(bs + 1)
+        self.ops.store_kv(k, v, k_cache, v_cache, torch.full((bs + 1,), -1, dtype=torch.int64, device=self.device),
+                          k_scale, v_scale)
         layouts: dict[tuple[int, bool], int] = {}
         for num_seqs in range(1, self.config.scheduler.max_num_seqs + 1):
             num_splits = self.num_splits_for(num_seqs)
