@@ -96,7 +96,8 @@ def main() -> None:
         print(title)
         print(f"{'span':60s} {'start':>15s} {'duration':>15s}")
         for name, row in rows.items():
-            duration = f"{row['duration_ms_p50']:7.2f}/{row['duration_ms_p90']:7.2f}" if "duration_ms_p50" in row else ""
+            duration = (f"{row['duration_ms_p50']:7.2f}/{row['duration_ms_p90']:7.2f}" if "duration_ms_p50" in row
+                        else "")
             print(f"{name[:60]:60s} {row['start_ms_p50']:7.2f}/{row['start_ms_p90']:7.2f} {duration:>15s}")
 
 
