@@ -159,6 +159,8 @@ def summarize(records: list[RequestRecord], rate: float, duration: float) -> dic
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
         "output_tok_per_s": output_tokens / duration,
+        # Streamed messages that carried tokens, per token: below 1 where the server merged tokens.
+        "messages_per_output_token": sum(len(r.arrivals) for r in ok) / output_tokens if output_tokens else None,
         "ttft_s": percentiles([r.ttft for r in ok if r.ttft is not None]),
         "tpot_s": percentiles([r.tpot for r in ok if r.tpot is not None]),
         "itl_s": percentiles(itl),

@@ -149,6 +149,7 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.SessionResponse]:
         running: dict[str, list[int]] = {}  # request id → [tokens sent, max_tokens]
         pending = worker_pb2.SessionResponse()
+        open_updates: dict[str, worker_pb2.SessionUpdate] = {}  # each request's update in `pending`
         ready, busy = asyncio.Event(), asyncio.Event()
 
         async def read() -> None:
@@ -167,7 +168,9 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
                     await busy.wait()
                 await asyncio.sleep(self.step_s)
                 for request_id, state in list(running.items()):
-                    update = pending.updates.add(request_id=request_id)
+                    update = open_updates.get(request_id)
+                    if update is None:
+                        update = open_updates[request_id] = pending.updates.add(request_id=request_id)
                     update.response.token_ids.append(self.text_ids[state[0] % len(self.text_ids)])
                     update.response.logprobs.append(-1.0)
                     state[0] += 1
@@ -182,6 +185,7 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
                 await ready.wait()
                 ready.clear()
                 message, pending = pending, worker_pb2.SessionResponse()
+                open_updates.clear()
                 yield message
         finally:
             for task in tasks:
@@ -203,7 +207,8 @@ async def run_gateway_only(args: argparse.Namespace, gateway_workers: int) -> li
     process = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "gateway", "--model", args.model, "--decode", f"127.0.0.1:{decode_port}",
          "--port", str(port), "--http-port", str(free_port("127.0.0.1")), "--max-model-len", str(args.max_model_len),
-         "--workers", str(gateway_workers)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+         "--workers", str(gateway_workers), "--stream-interval", str(args.stream_interval)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     runs: list[dict[str, Any]] = []
     try:
@@ -253,6 +258,8 @@ def main() -> None:
     parser.add_argument("--gateway-workers", type=int, default=None,
                         help="gateway processes (`tandem up --gateway-workers`); default: tandem up's, one per 4 "
                              f"CPUs between 1 and 4 (here: {default_num_workers()})")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the gateway's --stream-interval (tokens per client message after the first)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--repeat", type=int, default=1, help="interleaved runs of each; medians reported")
@@ -273,7 +280,7 @@ def main() -> None:
     stack = Stack(StackOptions(model=args.model, device=args.device, gateway_port=port,
                                gateway_http_port=free_port("127.0.0.1"), max_model_len=args.max_model_len,
                                max_num_seqs=args.max_num_seqs, threads=args.threads,
-                               gateway_workers=gateway_workers))
+                               gateway_workers=gateway_workers, stream_interval=args.stream_interval))
     engine_runs: list[dict[str, float]] = []
     stack_runs: list[dict[str, Any]] = []
     stack.start()
@@ -338,6 +345,9 @@ def gateway_only(args: argparse.Namespace) -> None:
         "stack_output_tok_per_s": statistics.median(r["output_tok_per_s"] for r in runs),
         "gateway_cpu_us_per_output_token": statistics.median(c["process"] for c in cpu),
         "gateway_event_loop_cpu_us_per_output_token": statistics.median(c["event_loop"] for c in cpu),
+        "messages_per_output_token": statistics.median(r["messages_per_output_token"] for r in runs),
+        "gateway_cpu_us_per_message": statistics.median(
+            r["cpu_us_per_output_token"]["gateway"]["process"] / r["messages_per_output_token"] for r in runs),
     }
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -345,7 +355,9 @@ def gateway_only(args: argparse.Namespace) -> None:
     print(f"gateway alone ({gateway_workers} process{'es' if gateway_workers > 1 else ''}, a fake decode step every "
           f"{args.fake_decode_step_ms:g} ms): {report['stack_output_tok_per_s']:,.0f} output tok/s, "
           f"{report['gateway_cpu_us_per_output_token']:.1f} µs CPU per output token (event loops "
-          f"{report['gateway_event_loop_cpu_us_per_output_token']:.1f} µs; median of {len(runs)})")
+          f"{report['gateway_event_loop_cpu_us_per_output_token']:.1f} µs; median of {len(runs)}); "
+          f"{report['messages_per_output_token']:.2f} client messages per token, "
+          f"{report['gateway_cpu_us_per_message']:.1f} µs per message")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Each start runs as its own task (the same `RequestRunner.run` as `Decode.Generate`); a writer sends everything
 that accumulated since its last message, which is one message per engine step when it keeps up and fewer,
-larger ones when it does not. A failed request gets an update with its status and the others go on.
+larger ones when it does not (each request's tokens of several steps then in one update). A failed request gets
+an update with its status and the others go on.
 
 While requests are in flight, the writer also sends an empty message whenever it has sent nothing for
 `SESSION_HEARTBEAT_S` (a request waiting on a long prefill, say): the gateway takes a session that stays silent
@@ -38,12 +39,25 @@ class _Session:
     # The next message, filled in place (each update is copied once, into it).
     pending: worker_pb2.SessionResponse = field(default_factory=worker_pb2.SessionResponse)
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # something to send, or to re-check
+    # Each request's token update in `pending`: the tokens of its later steps join it (one update per request
+    # per message, however many steps the message covers).
+    _open: dict[str, worker_pb2.SessionUpdate] = field(default_factory=dict)
 
     def send(self, req_id: str, response: worker_pb2.DecodeResponse) -> None:
-        self.pending.updates.add(request_id=req_id, response=response)
+        update = self._open.get(req_id)
+        if update is None:
+            self._open[req_id] = self.pending.updates.add(request_id=req_id, response=response)
+        else:
+            # Later responses carry tokens, logprobs and the finish; the first-message fields stay the first's.
+            merged = update.response
+            merged.token_ids.extend(response.token_ids)
+            merged.logprobs.extend(response.logprobs)
+            if response.finish_reason:
+                merged.finish_reason = response.finish_reason
         self.ready.set()
 
     def fail(self, req_id: str, code: grpc.StatusCode, message: str, error_type: str = "") -> None:
+        self._open.pop(req_id, None)
         self.pending.updates.add(request_id=req_id, error_code=code.value[0], error_message=message,
                                  error_type=error_type)
         self.ready.set()
@@ -53,6 +67,7 @@ class _Session:
         if not self.pending.updates:
             return None
         message, self.pending = self.pending, worker_pb2.SessionResponse()
+        self._open = {}
         return message
 
 

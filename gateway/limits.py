@@ -28,7 +28,8 @@ MIN_STALLED_HEARTBEATS = 4
 
 @dataclass(frozen=True)
 class GatewayLimits:
-    """The gateway's bounds on one request (the concurrency limit, shared by all, is the `Router`'s)."""
+    """The gateway's bounds on one request (the concurrency limit, shared by all, is the `Router`'s), and how
+    its stream is cut into messages."""
 
     # An HTTP body (413 past it, refused before it is read whole) or a gRPC message (RESOURCE_EXHAUSTED).
     max_request_bytes: int = 16 * MiB
@@ -46,10 +47,14 @@ class GatewayLimits:
     # Seconds a decode worker may stay silent, with requests of this gateway in flight, before it is taken
     # for frozen and its requests resume elsewhere (decode workers send a heartbeat every SESSION_HEARTBEAT_S).
     decode_stall_timeout_s: float = 10.0
+    # Tokens per streamed message after the first (vLLM's and SGLang's --stream-interval): 1 sends each step's
+    # tokens as they come; N > 1 cuts the gateway's CPU per token (a message costs far more than a token)
+    # for a burstier stream. The first tokens and the last are never held back.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_messages", "max_stop_sequences", "max_stop_chars",
-                     "max_stop_token_ids", "max_sequences_per_request"):
+                     "max_stop_token_ids", "max_sequences_per_request", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:

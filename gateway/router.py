@@ -269,7 +269,8 @@ class Router:
         updates = session.start(worker_pb2.DecodeRequest(
             request_id=worker_request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_worker(params),
             prefill_address=prefill.address if prefill is not None else "",
-            output_token_ids=progress.token_ids), timeout, dict(inject_metadata(trace.set_span_in_context(span)) or ()))
+            output_token_ids=progress.token_ids), timeout, dict(inject_metadata(trace.set_span_in_context(span)) or ()),
+            self.limits.stream_interval)
         ended = False
         is_first = True
         try:

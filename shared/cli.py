@@ -254,6 +254,9 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
 
 
 LimitsGroup = "Limits"
+StreamIntervalOpt = Annotated[int, typer.Option(
+    min=1, help="Tokens per streamed message after the first (vLLM's --stream-interval): 1 streams every step's "
+                "tokens; larger values cut the gateway's CPU per token for a burstier stream.")]
 DecodeStallOpt = Annotated[float, typer.Option(
     "--decode-stall-timeout", help="Seconds a decode worker may send nothing (not even its heartbeat) with "
     "requests in flight before they resume on another worker.", rich_help_panel=LimitsGroup)]
@@ -293,6 +296,7 @@ def gateway(
         help="Sequences one request generates (prompts × n); each holds a concurrency slot.",
         rich_help_panel=LimitsGroup)] = 128,
     decode_stall_timeout: DecodeStallOpt = 10.0,
+    stream_interval: StreamIntervalOpt = 1,
     workers: Annotated[int, typer.Option(
         min=0, help="Gateway processes on the same ports (SO_REUSEPORT: the kernel spreads connections among them), "
                     "each with its own sessions to the decode workers and its own --max-concurrent-requests; "
@@ -321,7 +325,7 @@ def gateway(
                                max_messages=max_messages, max_stop_sequences=max_stop_sequences,
                                max_stop_chars=max_stop_chars, max_stop_token_ids=max_stop_token_ids,
                                max_sequences_per_request=max_sequences_per_request,
-                               decode_stall_timeout_s=decode_stall_timeout)
+                               decode_stall_timeout_s=decode_stall_timeout, stream_interval=stream_interval)
     except ConfigError as error:
         raise typer.BadParameter(str(error)) from None
     keys = parse_api_keys(api_key)
@@ -427,6 +431,7 @@ def up(
     decode_stall_timeout: Annotated[float | None, typer.Option(
         "--decode-stall-timeout", help="The gateway's --decode-stall-timeout (default: the gateway's, 10 s).",
         rich_help_panel=LimitsGroup, show_default=False)] = None,
+    stream_interval: StreamIntervalOpt = 1,
     gateway_workers: Annotated[int | None, typer.Option(
         min=1, help="Gateway processes on the gateway's ports (`tandem gateway --workers`). Default: one per 4 "
                     "CPUs, between 1 and 4.", show_default=False)] = None,
@@ -444,7 +449,7 @@ def up(
                            enable_prefix_caching=prefix_caching, speculative_config=speculative_config,
                            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                            max_request_bytes=max_request_bytes, decode_stall_timeout_s=decode_stall_timeout,
-                           gateway_workers=gateway_workers)
+                           stream_interval=stream_interval, gateway_workers=gateway_workers)
     raise typer.Exit(Stack(options).run(demo=demo, exit_after_demo=exit_after_demo))
 
 

@@ -66,6 +66,8 @@ class StackOptions:
     # The gateway's --max-request-bytes and --decode-stall-timeout; None: the gateway's defaults.
     max_request_bytes: int | None = None
     decode_stall_timeout_s: float | None = None
+    # The gateway's --stream-interval (tokens per streamed message after the first).
+    stream_interval: int = 1
     # Gateway processes on the gateway's ports (`tandem gateway --workers`); None: one per 4 CPUs, between 1 and 4
     # (`tandem.gateway.workers.default_num_workers`).
     gateway_workers: int | None = None
@@ -177,6 +179,8 @@ class Stack:
             gateway += ["--max-request-bytes", str(o.max_request_bytes)]
         if o.decode_stall_timeout_s is not None:
             gateway += ["--decode-stall-timeout", str(o.decode_stall_timeout_s)]
+        if o.stream_interval != 1:
+            gateway += ["--stream-interval", str(o.stream_interval)]
         gateway += ["--workers", str(o.gateway_workers or default_num_workers())]
         if not o.redis_url:
             for address in workers["prefill"]:

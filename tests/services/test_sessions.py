@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 
 from tandem.decode_svc.servicer import DecodeServicer
+from tandem.decode_svc.sessions import _Session
 from tandem.gateway.sessions import DecodeSession, RequestUpdates, SessionEnded, Update
 from tandem.serving.rpc import make_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -178,7 +179,7 @@ async def test_updates_waiting_are_merged_up_to_an_end() -> None:
             token_ids=ids, logprobs=[-float(i) for i in ids], finish_reason=finish, time_to_first_token_s=ttft))
 
     for update in (tokens([1, 2], ttft=0.5), tokens([3]), tokens([4], finish=1), tokens([5])):
-        updates.queue.put_nowait(update)
+        updates.put(update)
     merged = await updates.next()
     assert isinstance(merged, worker_pb2.SessionUpdate)
     assert list(merged.response.token_ids) == [1, 2, 3, 4]
@@ -189,8 +190,73 @@ async def test_updates_waiting_are_merged_up_to_an_end() -> None:
     failed = worker_pb2.SessionUpdate(request_id="r", error_code=grpc.StatusCode.INTERNAL.value[0])
     ended = SessionEnded(grpc.StatusCode.UNAVAILABLE, "gone")
     for update in (tokens([6]), tokens([7]), failed, tokens([8]), ended):
-        updates.queue.put_nowait(update)
+        updates.put(update)
     assert list((await updates.next()).response.token_ids) == [6, 7]  # type: ignore[union-attr]
     assert await updates.next() == failed
     assert list((await updates.next()).response.token_ids) == [8]  # type: ignore[union-attr]
     assert await updates.next() == ended
+
+
+def test_a_message_holds_one_update_per_request_however_many_steps() -> None:
+    """Decode's writer: the steps a message covers join each request's one update (tokens, logprobs in order, the
+    first step's first-message fields, the finish); an error is an update of its own, never merged into."""
+    session = _Session()
+
+    def step(ids: list[int], finish: int = 0, ttft: float = 0.0) -> worker_pb2.DecodeResponse:
+        return worker_pb2.DecodeResponse(token_ids=ids, logprobs=[-float(i) for i in ids], finish_reason=finish,
+                                         time_to_first_token_s=ttft, num_local_prefill_tokens=7 if ttft else 0)
+
+    session.send("a", step([1], ttft=0.25))
+    session.send("b", step([10]))
+    session.send("a", step([2, 3]))
+    session.send("b", step([11], finish=2))
+    message = session.take()
+    assert message is not None and [u.request_id for u in message.updates] == ["a", "b"]
+    a, b = (u.response for u in message.updates)
+    assert list(a.token_ids) == [1, 2, 3] and list(a.logprobs) == [-1.0, -2.0, -3.0]
+    assert a.time_to_first_token_s == 0.25 and a.num_local_prefill_tokens == 7 and a.finish_reason == 0
+    assert list(b.token_ids) == [10, 11] and b.finish_reason == 2
+    assert session.take() is None
+
+    session.send("a", step([4]))  # a new message starts a new update
+    session.fail("a", grpc.StatusCode.INTERNAL, "boom")
+    session.send("c", step([20]))
+    message = session.take()
+    assert message is not None and [(u.request_id, u.error_code) for u in message.updates] == [
+        ("a", 0), ("a", grpc.StatusCode.INTERNAL.value[0]), ("c", 0)]
+    assert list(message.updates[0].response.token_ids) == [4]
+
+
+async def test_a_stream_interval_sends_the_first_tokens_at_once_then_every_n() -> None:
+    """--stream-interval 3: the first update goes alone (time to first token), later ones wait until 3 tokens
+    have come, and the finish or an error is never held back."""
+    updates = RequestUpdates(stream_interval=3)
+
+    def tokens(ids: list[int], finish: int = 0) -> worker_pb2.SessionUpdate:
+        return worker_pb2.SessionUpdate(request_id="r", response=worker_pb2.DecodeResponse(
+            token_ids=ids, logprobs=[-float(i) for i in ids], finish_reason=finish))
+
+    async def feed(*items: Update) -> None:
+        for item in items:
+            await asyncio.sleep(0.01)  # one engine step each: nothing waiting when `next` looks
+            updates.put(item)
+
+    got: list[list[int]] = []
+    feeder = asyncio.create_task(feed(tokens([1]), tokens([2]), tokens([3]), tokens([4]), tokens([5, 6]),
+                                      tokens([7]), tokens([8], finish=1)))
+    while True:
+        update = await updates.next()
+        assert isinstance(update, worker_pb2.SessionUpdate)
+        got.append(list(update.response.token_ids))
+        assert len(update.response.logprobs) == len(got[-1])
+        if update.response.finish_reason:
+            break
+    await feeder
+    assert got == [[1], [2, 3, 4], [5, 6, 7], [8]]
+
+    # An error ends the wait; what came before it goes first.
+    failed = worker_pb2.SessionUpdate(request_id="r", error_code=grpc.StatusCode.INTERNAL.value[0])
+    feeder = asyncio.create_task(feed(tokens([9]), failed))
+    assert list((await updates.next()).response.token_ids) == [9]  # type: ignore[union-attr]
+    assert await updates.next() == failed
+    await feeder

@@ -51,9 +51,9 @@ class FakeSession:
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def start(self, request: worker_pb2.DecodeRequest, timeout_s: float | None,
-              trace_context: Any = None) -> RequestUpdates:
+              trace_context: Any = None, stream_interval: int = 1) -> RequestUpdates:
         self.started.append(request)
-        updates = RequestUpdates()
+        updates = RequestUpdates(stream_interval)
         self._tasks[request.request_id] = asyncio.ensure_future(self._run(request, updates))
         return updates
 
@@ -68,7 +68,7 @@ class FakeSession:
                                                  logprobs=[-1.0] * len(positions))
             if positions[-1] == max_tokens - 1:
                 response.finish_reason = generation_pb2.FINISH_REASON_LENGTH
-            updates.queue.put_nowait(worker_pb2.SessionUpdate(request_id=request.request_id, response=response))
+            updates.put(worker_pb2.SessionUpdate(request_id=request.request_id, response=response))
 
     def finish(self, request_id: str, cancel: bool) -> None:
         task = self._tasks.pop(request_id, None)
