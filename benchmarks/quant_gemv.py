@@ -45,12 +45,8 @@ KINDS = ("int8", "fp8")
 
 def make_impls(kind: str, m: int, n: int, k: int, num_sms: int, sweep: bool) -> dict[str, Callable[..., Any]]:
     """name -> fn(x, qweight, scales, w_bf16) for one case."""
-    from tandem.kernels.quant_linear import (
-        SmallMWorkspace,
-        fp8_linear_triton,
-        int8_linear_triton,
-        small_m_launch_config,
-    )
+    from tandem.kernels.quant_linear import fp8_linear_triton, int8_linear_triton
+    from tandem.kernels.quant_small_m import SmallMWorkspace, small_m_launch_config
 
     linear = int8_linear_triton if kind == "int8" else fp8_linear_triton
     workspace = SmallMWorkspace()  # shared by the calls of one graph: each launch leaves its counters zero
@@ -125,7 +121,8 @@ def rel_err(out: torch.Tensor, exact: torch.Tensor) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import triton
 
-    from tandem.kernels.quant_linear import QuantWeight, small_m_launch_config
+    from tandem.kernels.quant_linear import QuantWeight
+    from tandem.kernels.quant_small_m import small_m_launch_config
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     dtype = torch.float32 if args.dry_run else torch.bfloat16  # the interpreter's bf16 is not hardware's

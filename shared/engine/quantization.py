@@ -29,7 +29,8 @@ from torch import nn
 
 from tandem.common.config import ConfigError
 from tandem.engine.model import LlamaForCausalLM
-from tandem.kernels.quant_linear import QuantWeight, SmallMWorkspace, linear_function
+from tandem.kernels.quant_linear import QuantWeight, linear_function
+from tandem.kernels.quant_small_m import SmallMWorkspace
 
 # The linears each decoder layer quantizes, by their names under the layer.
 QUANTIZED_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

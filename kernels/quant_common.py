@@ -1,0 +1,78 @@
+"""What the quantized GEMM kernels share (`quant_linear`'s large-M GEMMs and `quant_small_m`'s decode GEMV):
+argument checks, the SM count, and the split-K reduction kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.kernels._triton import tl, triton
+
+FP8_DTYPE = torch.float8_e4m3fn
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_linear_args(op: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                      bias: torch.Tensor | None, weight_dtype: torch.dtype, allow_groups: bool) -> int:
+    """Validate shapes, dtypes and devices; returns the group size (0: per output channel)."""
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"{op}: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if qweight.dtype != weight_dtype:
+        raise ValueError(f"{op}: qweight must be {weight_dtype}, got {qweight.dtype}")
+    if qweight.dim() != 2 or qweight.shape[1] != x.shape[1]:
+        raise ValueError(f"{op}: qweight shape {tuple(qweight.shape)} must be [N, K] with K={x.shape[1]} "
+                         f"(x's last dimension)")
+    num_out, k = qweight.shape
+    if scales.dtype != torch.float32:
+        raise ValueError(f"{op}: scales must be float32, got {scales.dtype}")
+    group_size = 0
+    if scales.dim() == 2 and allow_groups and scales.shape[0] == num_out and scales.shape[1] > 0 \
+            and k % scales.shape[1] == 0:
+        group_size = k // scales.shape[1]
+    elif scales.shape != (num_out,):
+        expected = f"[{num_out}] or [{num_out}, G] with G dividing K={k}" if allow_groups else f"[{num_out}]"
+        raise ValueError(f"{op}: scales shape {tuple(scales.shape)} must be {expected}")
+    if bias is not None:
+        if bias.shape != (num_out,):
+            raise ValueError(f"{op}: bias shape {tuple(bias.shape)} != ({num_out},)")
+        if not bias.is_floating_point():
+            raise ValueError(f"{op}: bias must be floating point, got {bias.dtype}")
+    for name, t in (("qweight", qweight), ("scales", scales), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
+    return group_size
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a small number exercises the split-K path at tiny shapes
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def largest_pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d < cap and n % (2 * d) == 0:
+        d *= 2
+    return d
+
+
+@triton.jit
+def sum_splits_kernel(
+    partial_ptr, bias_ptr, out_ptr,
+    N, num_splits,
+    stride_ps, stride_pm, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Grid (M, N blocks): sums the K splits in a fixed order, so results do not depend on timing
+    # (atomics would), then bias and the cast to the output dtype.
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S)
+    n_mask = offs_n < N
+    partial = tl.load(partial_ptr + offs_s[:, None] * stride_ps + row * stride_pm + offs_n[None, :],
+                      mask=(offs_s < num_splits)[:, None] & n_mask[None, :], other=0.0)
+    acc = tl.sum(partial, axis=0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)

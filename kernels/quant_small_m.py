@@ -1,0 +1,381 @@
+"""Small M (decode): a weight-only GEMV / skinny GEMM for int8 and fp8 weights, chosen by `quant_linear`'s
+`int8_linear_triton` and `fp8_linear_triton` at small M (`use_small_m`). Why the large-M GEMMs fall short there,
+and the design, below."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
+from tandem.kernels.quant_common import FP8_DTYPE, check_linear_args, largest_pow2_divisor, num_sms, sum_splits_kernel
+
+# Why `quant_linear`'s GEMMs reach only ~half of HBM bandwidth at decode (M = 1 .. 16), from their launch settings
+# (8B shapes, 132 SMs; `int8_launch_config` at m <= 16: 16 x 128 x 128 tiles, 4 warps, 4 stages):
+#   1. Two launches for three of the four projections: qkv (48 N tiles -> split 6), o (32 -> split 8) and
+#      down (32 -> split 9) write fp32 partials and run `sum_splits_kernel` after. In a CUDA graph each
+#      kernel boundary costs a drain + ramp (~1.5-3 us) against floors of 3.9 (o), 5.9 (qkv) and 13.8 us
+#      (down): the measured 10.1 us for 4096 x 4096 is 39% of its 3.95 us floor.
+#   2. Wave imbalance where it does not split: gate_up has 224 programs of 128 rows for 132 SMs, so 92 SMs
+#      stream two tiles and 40 stream one (35-41 us against a 27.6 us floor).
+#   3. tl.dot's minimum BLOCK_M of 16 pads M = 1 to 16 rows: 16x the MMA work and x-tile traffic, and the
+#      weight (the B operand, [BLOCK_K, BLOCK_N] after tl.trans) goes through shared memory and the
+#      dot-operand layout conversion; at M = 1 the multiply-add on the CUDA cores needs none of that.
+#   4. fp8 at small M quantizes the activations in a second kernel (one more launch per projection) and
+#      then runs the 16 x 64 fp8-MMA GEMM, whose 64-row tiles give 64 programs at N = 4096 and no split-K:
+#      half the SMs idle for o and down, so the halved weight bytes bought nothing (5.21 ms vs bf16 5.16).
+# (Scales are not the cause: per channel they are read once in the epilogue; per group once per K tile.)
+#
+# The path here, chosen by M (`small_m_settings`), for both weight kinds:
+#   - weight-only: the int8 or e4m3 tile is loaded as stored (1 byte per weight, 16-byte vector loads along
+#     K), converted in registers and multiplied with the activations as given (bf16 / fp16 / fp32), fp32
+#     accumulation, the per-channel scale once in the epilogue (per group: once per K tile). fp8 skips the
+#     per-token activation quantization: one launch fewer, and no activation rounding (~2-3% relative error
+#     of e4m3 gone), so its numerics are at least as good as the W8A8 path's.
+#   - two inner products: M = 1 (up to `fma_max_m`) on the CUDA cores, an fp32 [BLOCK_N, BLOCK_K] accumulator
+#     updated with one FMA per weight and reduced across K once after the loop (no per-step shuffles);
+#     larger M on the tensor cores with the operands swapped: out^T [BLOCK_N, 16] = W [BLOCK_N, K] @ x^T, so
+#     the weight is tl.dot's A operand (64 rows, Hopper's MMA M) and only the small activation tile is padded
+#     to 16.
+#   - split-K sized so that the grid holds ~`programs_per_sm` programs per SM (small tiles: many resident per
+#     SM, enough bytes in flight without relying on the pipeliner, and no wave tail), the partial sums reduced
+#     in the same launch: each program stores its fp32 partial, a CTA barrier, one acq_rel atomic increment of
+#     its N tile's counter; the program that arrives last sums the partials in split order (deterministic:
+#     which one is last does not change the result), adds the bias, stores, and resets the counter to zero, so
+#     the counters stay zero between launches and a CUDA graph replays with no memset. The counters are a
+#     per-layer workspace (`SmallMWorkspace`) made outside graph capture; without one (or with
+#     fused_reduce=False) the partials go through `sum_splits_kernel` as before.
+
+SMALL_M_LIMIT = 16  # the largest M the small-M kernel takes (its tensor-core tile pads M to 16)
+_MAX_SPLIT_K = 32
+SMALL_M_ENV = "TANDEM_QUANT_SMALL_M"  # max M of the small-M path; 0 turns it off (default: SMALL_M_DEFAULT_MAX_M)
+FMA_MAX_M_ENV = "TANDEM_QUANT_FMA_MAX_M"  # max M of its CUDA-core variant; larger M use the tensor cores (default 1)
+FUSED_REDUCE_ENV = "TANDEM_QUANT_FUSED_REDUCE"  # 0: split-K partials summed by a second kernel (default 1)
+PROGRAMS_PER_SM_ENV = "TANDEM_QUANT_PROGRAMS_PER_SM"  # split-K target; default 4 (CUDA cores) / 2 (tensor cores)
+
+
+# The largest M that takes the small-M path by default, per kind, as measured on an H200 (llama-3.1-8b's four
+# projections per layer, `benchmarks/results/h200-2026-12-01/quant-gemv.json`): fp8 at M=1 78.7 us against the
+# W8A8 path's 129.6 (a decode step 5.27 -> 3.64 ms), at M=4 and 16 even (114 vs 116, 115 vs 115); int8 slower at
+# every M (M=1 96.6 vs 86.6 us, M=4 109 vs 79): the older kernel stays.
+SMALL_M_DEFAULT_MAX_M = {"fp8": 4, "int8": 0}
+
+
+class SmallMSettings(NamedTuple):
+    max_m: int | None = None  # None: SMALL_M_DEFAULT_MAX_M of the layer's kind
+    fma_max_m: int = 1
+    fused_reduce: bool = True
+    programs_per_sm: int | None = None  # None: the config's default per variant
+
+
+def _env_int(name: str, default: int, low: int, high: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"${name}={raw!r} is not an integer") from None
+    if not low <= value <= high:
+        raise ValueError(f"${name}={value} must lie in [{low}, {high}]")
+    return value
+
+
+@functools.lru_cache(maxsize=1)
+def small_m_settings() -> SmallMSettings:
+    """The small-M path's switches, read once from the environment (`small_m_settings.cache_clear()` re-reads:
+    the benchmarks flip them in one process). $TANDEM_QUANT_SMALL_M: the largest M that takes it (0: never;
+    default SMALL_M_DEFAULT_MAX_M by kind); $TANDEM_QUANT_FMA_MAX_M: the largest M on the CUDA cores (0: always
+    tensor cores, default 1); $TANDEM_QUANT_FUSED_REDUCE=0: a second kernel sums the split-K partials;
+    $TANDEM_QUANT_PROGRAMS_PER_SM: the split-K target. A CUDA graph keeps the path it was captured with."""
+    per_sm = _env_int(PROGRAMS_PER_SM_ENV, 0, 0, 64)
+    max_m = _env_int(SMALL_M_ENV, -1, 0, SMALL_M_LIMIT)
+    return SmallMSettings(max_m=None if max_m < 0 else max_m,
+                          fma_max_m=_env_int(FMA_MAX_M_ENV, 1, 0, SMALL_M_LIMIT),
+                          fused_reduce=_env_int(FUSED_REDUCE_ENV, 1, 0, 1) == 1,
+                          programs_per_sm=per_sm or None)
+
+
+def use_small_m(m: int, small_m: bool | None = None, kind: str = "fp8") -> bool:
+    """Whether an [m, K] input of a `kind` ("int8" | "fp8") layer takes the small-M path: `small_m` forces it
+    (True: up to SMALL_M_LIMIT) or the old path (False); None follows `small_m_settings()`, else the kind's
+    measured default (SMALL_M_DEFAULT_MAX_M)."""
+    if small_m is False:
+        return False
+    if small_m:
+        limit = SMALL_M_LIMIT
+    else:
+        configured = small_m_settings().max_m
+        limit = SMALL_M_DEFAULT_MAX_M[kind] if configured is None else configured
+    return 0 < m <= limit
+
+
+class SmallMConfig(NamedTuple):
+    use_dot: bool  # tensor cores (swapped operands, M padded to 16) instead of CUDA-core FMAs
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int  # the number of K slices actually launched (each a whole number of BLOCK_K tiles)
+    num_warps: int
+    num_stages: int
+    fused_reduce: bool  # split-K partials summed by the last program of each N tile (else a second kernel)
+
+
+def small_m_k_per_split(k: int, block_k: int, split_k: int) -> int:
+    """Inputs per K slice: whole BLOCK_K tiles, so a tile never straddles two slices (nor, per group, two
+    groups); `cdiv(k, result)` slices cover K."""
+    return max(triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k, block_k)
+
+
+def small_m_launch_config(m: int, n: int, k: int, group_size: int, num_sms: int, *,
+                          fma_max_m: int = 1, programs_per_sm: int | None = None,
+                          fused_reduce: bool = True) -> SmallMConfig:
+    """Launch settings of `_small_m_linear_kernel` for x [m, k] (1 <= m <= 16) and a weight [n, k] of int8 or
+    fp8 (the same for both: one byte per weight). A pure function of its arguments.
+
+    - m <= fma_max_m: CUDA cores. BLOCK_M = next power of two >= m; the [BLOCK_M, BLOCK_N, BLOCK_K] product
+      tile is kept at 8,192 elements (64 fp32 per thread at 4 warps): 1 x 32 x 256 for m = 1 (each thread
+      one 16-byte load of 16 weights per row, 4 rows per step), 16 rows and a K tile of 8,192 / (16 * BLOCK_M)
+      above. 4 programs per SM by default.
+    - else tensor cores: 16 x 64 x 128 (BLOCK_M 16 = tl.dot's minimum; 64 weight rows = the MMA's M), 4 warps,
+      4 stages, 2 programs per SM by default.
+    - split-K: while cdiv(n, BLOCK_N) < programs_per_sm * num_sms, K is divided to reach that many programs,
+      each slice at least two K tiles, at most 32 slices. 8B shapes at M = 1, 132 SMs: qkv 6144 -> 192 x 3,
+      o 4096 -> 128 x 4, gate_up 28672 -> 896 x 1, down 14336 -> 128 x 5.
+    Group-wise scales need each K tile inside one group: BLOCK_K is capped at the largest power of two
+    dividing group_size. The defaults are reasoned, not swept: `python -m tandem.benchmarks.quant_gemv`
+    times the alternatives.
+    """
+    if not 1 <= m <= SMALL_M_LIMIT:
+        raise ValueError(f"small_m_launch_config: m={m} outside [1, {SMALL_M_LIMIT}]")
+    if n < 1 or k < 1 or num_sms < 1:
+        raise ValueError(f"small_m_launch_config: n={n}, k={k}, num_sms={num_sms} must be positive")
+    use_dot = m > fma_max_m
+    if use_dot:
+        block_m, block_n, block_k, num_warps, num_stages = 16, 64, 128, 4, 4
+        per_sm = programs_per_sm or 2
+    else:
+        block_m = triton.next_power_of_2(m)
+        block_n = 32 if block_m == 1 else 16
+        block_k = 8192 // (block_m * block_n)
+        num_warps, num_stages = 4, 3
+        per_sm = programs_per_sm or 4
+    if group_size:
+        block_k = min(block_k, largest_pow2_divisor(group_size, block_k))
+    tiles_n = triton.cdiv(n, block_n)
+    split_k = 1
+    target = per_sm * num_sms
+    if tiles_n < target:
+        split_k = max(1, min(triton.cdiv(target, tiles_n), k // (2 * block_k), _MAX_SPLIT_K))
+    split_k = triton.cdiv(k, small_m_k_per_split(k, block_k, split_k))  # the slices actually launched
+    return SmallMConfig(use_dot, block_m, block_n, block_k, split_k, num_warps, num_stages,
+                        fused_reduce and split_k > 1)
+
+
+class SmallMWorkspace:
+    """Split-K counters of one layer for the fused reduce: int32, zero between launches (the last program of
+    each N tile resets its own). Allocated at the first call outside CUDA graph capture (a graph's pool must
+    not own it); `counters(device, tiles)` returns None where it cannot: the caller then reduces with the
+    second kernel."""
+
+    def __init__(self) -> None:
+        self._counters: torch.Tensor | None = None
+        # Every tensor handed out stays alive: a captured graph may still point at one that was outgrown.
+        self._history: list[torch.Tensor] = []
+
+    def counters(self, device: torch.device, tiles: int) -> torch.Tensor | None:
+        c = self._counters
+        if c is not None and c.device == device and c.numel() >= tiles:
+            return c
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        self._counters = torch.zeros(max(tiles, 64), dtype=torch.int32, device=device)
+        self._history.append(self._counters)
+        return self._counters
+
+
+@triton.jit
+def _small_m_linear_kernel(
+    x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counters_ptr,
+    M, N, K, k_per_split, num_splits,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Grid (N tiles, K slices); one M tile holds every row (M <= BLOCK_M). Rows past M / N read a valid row
+    # instead (their results are never stored): no row masks in the loop. EVEN_K: every slice is whole K tiles.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_x = (offs_m % M).to(tl.int64)
+    rows_w = (offs_n % N).to(tl.int64)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    x_ptrs = x_ptr + rows_x[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    w_ptrs = w_ptr + rows_w[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    x_row_ptrs = x_ptr + k_start + offs_k  # BLOCK_M == 1: row 0
+
+    if USE_DOT:  # out^T tile [BLOCK_N, BLOCK_M]: the weight is the MMA's A operand
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    elif BLOCK_M == 1 and GROUP_SIZE == 0:  # per-lane partial sums, reduced across K after the loop
+        acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = (k + offs_k) < k_end
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0)
+        if W_FP8:  # read as bytes (masked lanes 0 = +0.0), reinterpreted as e4m3
+            w = w.to(tl.float8e4nv, bitcast=True)
+        if BLOCK_M == 1 and not USE_DOT:  # one activation row, [BLOCK_K]
+            if EVEN_K:
+                x = tl.load(x_row_ptrs)
+            else:
+                x = tl.load(x_row_ptrs, mask=k_mask, other=0.0)
+        else:
+            if EVEN_K:
+                x = tl.load(x_ptrs)
+            else:
+                x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+        if USE_DOT:
+            # int8 -> x's dtype is exact; e4m3 -> bf16 / fp16 / fp32 too (bf16 has e4m3's range and more bits).
+            part = tl.dot(w.to(x.dtype), tl.trans(x), input_precision=DOT_PRECISION)
+            if GROUP_SIZE > 0:
+                acc += part * tl.load(scales_ptr + rows_w * stride_sn + k // GROUP_SIZE)[:, None]
+            else:
+                acc += part
+        elif BLOCK_M == 1 and GROUP_SIZE == 0:
+            acc_k += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        elif BLOCK_M == 1:
+            part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BN]
+            acc += (part * tl.load(scales_ptr + rows_w * stride_sn + k // GROUP_SIZE))[None, :]
+        else:
+            part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [BM, BN]
+            if GROUP_SIZE > 0:
+                part = part * tl.load(scales_ptr + rows_w * stride_sn + k // GROUP_SIZE)[None, :]
+            acc += part
+        x_ptrs += BLOCK_K
+        x_row_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    if USE_DOT:
+        tile_m = offs_m[None, :]
+        tile_n = offs_n[:, None]
+        rows_w_tile = rows_w[:, None]
+    else:
+        if BLOCK_M == 1 and GROUP_SIZE == 0:
+            acc = tl.sum(acc_k, axis=1)[None, :]
+        tile_m = offs_m[:, None]
+        tile_n = offs_n[None, :]
+        rows_w_tile = rows_w[None, :]
+    if GROUP_SIZE == 0:
+        acc = acc * tl.load(scales_ptr + rows_w_tile * stride_sn)
+    out_mask = (tile_m < M) & (tile_n < N)
+    out_ptrs = out_ptr + tile_m * stride_om + tile_n
+    if IS_SINGLE_SPLIT:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows_w_tile).to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Partials [num_splits, M, N], fp32, already scaled.
+        partial_ptrs = partial_ptr + tile_m * N + tile_n
+        tl.store(partial_ptrs + pid_k * M * N, acc, mask=out_mask)
+        if FUSED_REDUCE:
+            # Every thread's partial is issued before one thread's release (the barrier orders them, the
+            # release is cumulative); the last arrival's acquire makes all of them visible to its loads,
+            # which bypass L1 (.cg).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                total = tl.zeros_like(acc)
+                for s in range(0, num_splits):  # split order: the same sum whichever program is last
+                    total += tl.load(partial_ptrs + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + rows_w_tile).to(tl.float32)
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(counters_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+def small_m_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None = None, *, config: SmallMConfig | None = None,
+                          workspace: SmallMWorkspace | None = None) -> torch.Tensor:
+    """Weight-only linear for small M, int8 or float8_e4m3fn weights: x [M, K] (fp32 / bf16 / fp16, 1 <= M
+    <= 16), qweight [N, K], scales float32 [N] (int8 also [N, K // group_size]), bias [N] or None ->
+    x @ (qweight * scales).T + bias, [M, N] in x.dtype, fp32 accumulation. fp8 activations are not quantized.
+
+    `config` overrides `small_m_launch_config` (whose switches come from `small_m_settings()`); `workspace`
+    holds the split-K counters of the fused reduce (without one, a module-wide workspace outside graph
+    capture; under capture the second-kernel reduce).
+    """
+    is_fp8 = qweight.dtype == FP8_DTYPE
+    op = "fp8_linear" if is_fp8 else "int8_linear"
+    check_launchable(op, x, qweight, scales)
+    check_last_dim_contiguous(op, x=x, qweight=qweight, scales=scales)
+    group_size = check_linear_args(op, x, qweight, scales, bias, FP8_DTYPE if is_fp8 else torch.int8,
+                                    allow_groups=not is_fp8)
+    if group_size % 16:
+        raise ValueError(f"{op}: group size {group_size} (from scales {tuple(scales.shape)}) must be a multiple of 16")
+    if bias is not None:
+        check_last_dim_contiguous(op, bias=bias)
+    m, k = x.shape
+    n = qweight.shape[0]
+    if m > SMALL_M_LIMIT:
+        raise ValueError(f"{op}: the small-M kernel takes M <= {SMALL_M_LIMIT}, got {m}")
+    out = x.new_empty((m, n))
+    if m == 0 or n == 0:
+        return out
+    if config is None:
+        settings = small_m_settings()
+        config = small_m_launch_config(m, n, k, group_size, num_sms(x.device), fma_max_m=settings.fma_max_m,
+                                       programs_per_sm=settings.programs_per_sm,
+                                       fused_reduce=settings.fused_reduce)
+    cfg = config
+    if cfg.block_m < m or cfg.split_k < 1 or (cfg.use_dot and cfg.block_m < 16) \
+            or (group_size and group_size % cfg.block_k):
+        raise ValueError(f"{op}: config {cfg} invalid for M={m} (block_m >= M, 16 with use_dot; split_k >= 1; "
+                         f"block_k must divide the group size)")
+    k_per_split = small_m_k_per_split(k, cfg.block_k, cfg.split_k)
+    split_k = triton.cdiv(k, k_per_split)
+    is_single_split = split_k == 1
+    tiles_n = triton.cdiv(n, cfg.block_n)
+    counters = None
+    if not is_single_split and cfg.fused_reduce:
+        # Sized for BLOCK_N >= 16 (every default config) at the first call, so later M reuse it under capture.
+        counters = (workspace or _default_workspace(x.device)).counters(x.device, max(tiles_n, triton.cdiv(n, 16)))
+    fused = counters is not None
+    # Scratch from the caching allocator (a graph's private pool under capture): no host sync.
+    partial = scales if is_single_split else torch.empty((split_k, m, n), device=x.device, dtype=torch.float32)
+    bias_arg = bias if bias is not None else scales  # never read when HAS_BIAS is False
+    w_arg = qweight.view(torch.uint8) if is_fp8 else qweight  # fp8 read as bytes: masked lanes load 0 = +0.0
+    _small_m_linear_kernel[(tiles_n, split_k)](
+        x, w_arg, scales, bias_arg, out, partial, counters if fused else scales,
+        m, n, k, k_per_split, split_k,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        GROUP_SIZE=group_size, HAS_BIAS=bias is not None, IS_SINGLE_SPLIT=is_single_split, FUSED_REDUCE=fused,
+        USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, W_FP8=is_fp8,
+        DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not is_single_split and not fused:
+        block_n = 256
+        sum_splits_kernel[(m, triton.cdiv(n, block_n))](
+            partial, bias_arg, out, n, split_k, partial.stride(0), partial.stride(1), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_S=triton.next_power_of_2(split_k), BLOCK_N=block_n, num_warps=4,
+        )
+    return out
+
+
+_DEFAULT_WORKSPACES: dict[torch.device, SmallMWorkspace] = {}
+
+
+def _default_workspace(device: torch.device) -> SmallMWorkspace:
+    """One module-wide workspace per device for callers without their own (`QuantizedLinear` has its own)."""
+    return _DEFAULT_WORKSPACES.setdefault(device, SmallMWorkspace())
