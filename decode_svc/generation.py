@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from tandem.common.errors import OverloadedError
@@ -20,6 +20,17 @@ from tandem.serving.async_engine import AsyncEngine, RequestStream, ReservedEven
 from tandem.serving.telemetry import ending
 from tandem.serving.wire import finish_reason_to_proto, sampling_from_worker
 from tandem.v1 import worker_pb2
+
+# Tokens of one step handed straight to a session's next message: (token ids, logprobs).
+TokenSink = Callable[[list[int], list[float]], None]
+
+
+@dataclass
+class _Direct:
+    """A request's tokens that went to its `TokenSink`, not through its responses (counted for its metrics)."""
+
+    sink: TokenSink
+    num_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,9 +53,15 @@ class RequestRunner:
         self.num_queued = 0
 
     async def run(self, request: worker_pb2.DecodeRequest, deadline: float | None,
-                  trace_carrier: Iterable[tuple[str, str | bytes]] | None) -> AsyncIterator[worker_pb2.DecodeResponse]:
+                  trace_carrier: Iterable[tuple[str, str | bytes]] | None, token_sink: TokenSink | None = None,
+                  ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         """The request's responses, inside its `decode.generate` span (continuing the caller's trace), with the
-        latency metrics of the request as decode sees it. `deadline` is on `time.monotonic()`'s clock."""
+        latency metrics of the request as decode sees it. `deadline` is on `time.monotonic()`'s clock.
+
+        With `token_sink` (a session's), the steps after the first response that carry only tokens go to it as
+        they arrive, on the event loop, without waking this request's task (one task hop per token per request
+        was most of decode's serving CPU per token); the first response, the last, errors and anything with
+        more than tokens still come as responses, in order with the sunk tokens."""
         arrival = time.perf_counter()
         req_id = request.request_id
         if self.num_queued >= self.max_queued:
@@ -52,11 +69,12 @@ class RequestRunner:
             raise OverloadedError(f"decode worker has {self.num_queued} requests waiting (limit {self.max_queued})")
         span = self.traces.start(req_id, len(request.prompt_token_ids), trace_carrier)
         time_to_first_token_s, num_tokens = 0.0, 0
+        direct = None if token_sink is None else _Direct(token_sink)
         self.num_queued += 1
         is_queued = True
         try:
             with ending(span):
-                async with contextlib.aclosing(self._generate(request, deadline)) as responses:
+                async with contextlib.aclosing(self._generate(request, deadline, direct)) as responses:
                     async for response in responses:
                         if is_queued:
                             self.num_queued -= 1
@@ -66,15 +84,16 @@ class RequestRunner:
                             response.time_to_first_token_s = time_to_first_token_s
                         num_tokens += len(response.token_ids)
                         if response.finish_reason:
-                            metrics.observe_latency(time_to_first_token_s, time.perf_counter() - arrival, num_tokens)
+                            metrics.observe_latency(time_to_first_token_s, time.perf_counter() - arrival,
+                                                    num_tokens + (direct.num_tokens if direct is not None else 0))
                         yield response
         finally:
             if is_queued:
                 self.num_queued -= 1
             self.traces.finish(req_id)
 
-    async def _generate(self, request: worker_pb2.DecodeRequest,
-                        deadline: float | None) -> AsyncGenerator[worker_pb2.DecodeResponse, None]:
+    async def _generate(self, request: worker_pb2.DecodeRequest, deadline: float | None,
+                        direct: _Direct | None = None) -> AsyncGenerator[worker_pb2.DecodeResponse, None]:
         engine = self.engine
         req_id = request.request_id
         prompt = list(request.prompt_token_ids)
@@ -119,6 +138,8 @@ class RequestRunner:
                     yield response
                     if event.finish_reason is not None:
                         return
+                    if direct is not None and events.sink is None:
+                        events.sink = self._sink(req_id, direct)
             finally:
                 if admission is not None and admission.is_recording() and pull is None:
                     admission.end()
@@ -129,6 +150,23 @@ class RequestRunner:
                 # into them: then they are freed once it has stopped).
                 if req_id not in self.puller.quarantined:
                     engine.post(lambda e: e.abort(req_id))
+
+    def _sink(self, req_id: str, direct: _Direct) -> Callable[[object], bool]:
+        """Takes a step's event that carries only tokens (not the last, no prompt tokens computed, nothing
+        first-message) into `direct`'s sink; anything else is left for the request's task."""
+        on_event = self.traces.on_event
+        sink = direct.sink
+
+        def take(event: object) -> bool:
+            if not isinstance(event, TokenEvent) or event.finish_reason is not None or event.local_prefill_tokens \
+                    or event.num_cached_tokens:
+                return False
+            on_event(req_id, event)
+            direct.num_tokens += len(event.token_ids)
+            sink(event.token_ids, event.logprobs)
+            return True
+
+        return take
 
     async def _pull(self, request: PullRequest, address: str, deadline: float | None, events: RequestStream) -> None:
         """Fill the reserved blocks (the request then gets its first token through the engine), or have the

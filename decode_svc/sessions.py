@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -48,12 +49,23 @@ class _Session:
         if update is None:
             self._open[req_id] = self.pending.updates.add(request_id=req_id, response=response)
         else:
-            # Later responses carry tokens, logprobs and the finish; the first-message fields stay the first's.
+            # Later responses carry tokens, logprobs, prompt tokens recomputed here (after a preemption) and the
+            # finish; the first-message fields stay the first's.
             merged = update.response
             merged.token_ids.extend(response.token_ids)
             merged.logprobs.extend(response.logprobs)
+            merged.num_local_prefill_tokens += response.num_local_prefill_tokens
             if response.finish_reason:
                 merged.finish_reason = response.finish_reason
+        self.ready.set()
+
+    def send_tokens(self, req_id: str, token_ids: list[int], logprobs: list[float]) -> None:
+        """A step's tokens of a request whose first response went already (`RequestRunner.run`'s token sink)."""
+        update = self._open.get(req_id)
+        if update is None:
+            update = self._open[req_id] = self.pending.updates.add(request_id=req_id)
+        update.response.token_ids.extend(token_ids)
+        update.response.logprobs.extend(logprobs)
         self.ready.set()
 
     def fail(self, req_id: str, code: grpc.StatusCode, message: str, error_type: str = "") -> None:
@@ -138,7 +150,8 @@ class Sessions:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             async with asyncio.timeout(timeout):
-                responses = self.runner.run(start.request, deadline, start.trace_context.items())
+                responses = self.runner.run(start.request, deadline, start.trace_context.items(),
+                                            functools.partial(session.send_tokens, req_id))
                 async with contextlib.aclosing(responses):
                     async for response in responses:
                         session.send(req_id, response)

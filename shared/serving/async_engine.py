@@ -79,6 +79,9 @@ class RequestStream:
         self.num_sent = num_sent  # output tokens already delivered (or already with the client)
         self.first_sent = False
         self.local_prefill_sent: dict[str, int] = {}
+        # Optional: takes an event on the event loop, as it arrives, instead of waking the consumer (True: taken).
+        # Only offered while nothing is queued, so events stay in order; cleared when the stream closes.
+        self.sink: Callable[[Any], bool] | None = None
 
     async def next(self) -> Any:
         while not self._events:
@@ -97,7 +100,9 @@ class RequestStream:
         self.deliver(event)
 
     def deliver(self, event: Any) -> None:
-        """Event loop: queue `event` and wake the consumer."""
+        """Event loop: hand `event` to the sink, or queue it and wake the consumer."""
+        if self.sink is not None and not self._events and self.sink(event):
+            return
         self._events.append(event)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -151,6 +156,7 @@ class AsyncEngine:
         try:
             yield stream
         finally:
+            stream.sink = None  # events of steps already handed to the loop go nowhere now
             if self._streams.get(req_id) is stream:
                 del self._streams[req_id]
 

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import pytest
 
 from tandem.decode_svc.servicer import DecodeServicer
 from tandem.decode_svc.sessions import _Session
@@ -43,9 +44,17 @@ async def wait_all_blocks_free(worker: Worker) -> None:
     engine.block_pool.check_integrity()
 
 
-async def test_each_request_gets_its_tokens_in_order_and_one_end(workers: tuple[Worker, Worker],
-                                                                 model_folder: Path) -> None:
+async def test_each_request_gets_its_tokens_in_order_and_one_end(workers: tuple[Worker, Worker], model_folder: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     prefill, decode = workers
+    sunk: dict[str, int] = {}  # tokens each request's steps handed straight to the session (no task hop)
+    send_tokens = _Session.send_tokens
+
+    def spy(session: _Session, req_id: str, token_ids: list[int], logprobs: list[float]) -> None:
+        sunk[req_id] = sunk.get(req_id, 0) + len(token_ids)
+        send_tokens(session, req_id, token_ids, logprobs)
+
+    monkeypatch.setattr(_Session, "send_tokens", spy)
     prompts = prompts_for(512, [3, 17, 29, 8, 40, 11])
     lengths = [12, 5, 9, 12, 3, 7]  # different lengths: requests end while others go on
     channel = make_channel(decode.address)
@@ -59,6 +68,9 @@ async def test_each_request_gets_its_tokens_in_order_and_one_end(workers: tuple[
         assert [bool(u.response.finish_reason) for u in seen] == [False] * (len(seen) - 1) + [True]
         assert all(not isinstance(u, SessionEnded) and u.error_code == 0 for u in seen)
         session.finish(f"s{i}", cancel=False)
+    # The steps between a request's first response and its last went through its token sink.
+    # (Its first and last tokens come as responses, so each sank fewer than it made.)
+    assert sum(sunk.values()) > 0 and all(n <= lengths[int(req_id[1:])] - 2 for req_id, n in sunk.items()), sunk
     assert not session.closed  # the session outlives its requests, for the next ones
     tokens, _ = await collect(session.start(decode_request("later", prompts[0], prefill.address), None))
     assert tokens == results[0][0]
@@ -209,16 +221,18 @@ def test_a_message_holds_one_update_per_request_however_many_steps() -> None:
     session.send("a", step([1], ttft=0.25))
     session.send("b", step([10]))
     session.send("a", step([2, 3]))
+    session.send_tokens("a", [4], [-4.0])  # a step's tokens from the request's token sink
+    session.send("a", worker_pb2.DecodeResponse(token_ids=[5], logprobs=[-5.0], num_local_prefill_tokens=3))
     session.send("b", step([11], finish=2))
     message = session.take()
     assert message is not None and [u.request_id for u in message.updates] == ["a", "b"]
     a, b = (u.response for u in message.updates)
-    assert list(a.token_ids) == [1, 2, 3] and list(a.logprobs) == [-1.0, -2.0, -3.0]
-    assert a.time_to_first_token_s == 0.25 and a.num_local_prefill_tokens == 7 and a.finish_reason == 0
+    assert list(a.token_ids) == [1, 2, 3, 4, 5] and list(a.logprobs) == [-1.0, -2.0, -3.0, -4.0, -5.0]
+    assert a.time_to_first_token_s == 0.25 and a.num_local_prefill_tokens == 7 + 3 and a.finish_reason == 0
     assert list(b.token_ids) == [10, 11] and b.finish_reason == 2
     assert session.take() is None
 
-    session.send("a", step([4]))  # a new message starts a new update
+    session.send_tokens("a", [4], [-4.0])  # a new message starts a new update
     session.fail("a", grpc.StatusCode.INTERNAL, "boom")
     session.send("c", step([20]))
     message = session.take()
