@@ -179,8 +179,7 @@ class Stack:
             gateway += ["--max-request-bytes", str(o.max_request_bytes)]
         if o.decode_stall_timeout_s is not None:
             gateway += ["--decode-stall-timeout", str(o.decode_stall_timeout_s)]
-        if o.stream_interval != 1:
-            gateway += ["--stream-interval", str(o.stream_interval)]
+        gateway += ["--stream-interval", str(o.stream_interval)]
         gateway += ["--workers", str(o.gateway_workers or default_num_workers())]
         if not o.redis_url:
             for address in workers["prefill"]:
