@@ -91,12 +91,17 @@ suite_stack() {
     stack_row 1b-1024-w4 "$SMALL" 256 1024 4
     stack_row 8b-256-w4 "$BIG" 1024 256 4
     stack_row 1b-128-w1 "$SMALL" 256 128 1
+    # 2026-12-02 (second session): the gateway alone and the worst row with --stream-interval 4.
+    step gateway-alone-si4 90 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 --gateway-workers 1 \
+        --num-requests "$(n 256 8)" --output-len "fixed:$(n 128 8)" --stream-interval 4 \
+        --out "$OUT/gateway-alone-w1-si4.json"
+    stack_row 1b-128-w4-si4 "$SMALL" 256 128 4 --stream-interval 4
 }
 
-stack_row() {  # NAME MODEL PROMPT OUTPUT GATEWAY_WORKERS
+stack_row() {  # NAME MODEL PROMPT OUTPUT GATEWAY_WORKERS [MORE ARGS]
     step "stack-$1" 170 $PY -m tandem.benchmarks.stack_overhead --model "$2" --device "$DEVICE" \
         --num-requests "$(n 256 8)" --prompt-len "fixed:$(n "$3" 16)" --output-len "fixed:$(n "$4" 8)" \
-        --gateway-workers "$5" --label "$1" --out "$OUT/stack-overhead-$1.json"
+        --gateway-workers "$5" --label "$1" --out "$OUT/stack-overhead-$1.json" "${@:6}"
 }
 
 # After a fix of the cuda-ipc handle: the stack test, the forward (also at Python's default switch interval) and
