@@ -23,26 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.common.sampling_params import SamplingParams
-
-
-class CompileLog:
-    """Triton compiles, by kernel name, as they happen (a no-op where Triton does not compile: the CPU)."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        try:
-            from triton import knobs
-            knobs.runtime.jit_post_compile_hook = self._hook
-        except (ImportError, AttributeError):
-            pass
-
-    def _hook(self, *args: Any, **kwargs: Any) -> None:
-        fn = kwargs.get("fn")
-        self.names.append(getattr(getattr(fn, "fn", fn), "__name__", repr(fn)))
-
-    def take(self) -> list[str]:
-        names, self.names = self.names, []
-        return names
+from tandem.engine.compile_watch import CompileWatch
 
 
 def main() -> None:
@@ -76,9 +57,10 @@ def main() -> None:
     llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
               enable_chunked_prefill=chunked, max_model_len=max_model_len)
     engine = llm.engine
-    compiles = CompileLog()
+    compiles = CompileWatch()
     engine.warm_up()
-    warm_up_compiles = compiles.take()
+    num_warm_up_compiles = compiles.num_startup
+    compiles.serving()
 
     rng = random.Random(args.seed)
     vocab = engine.config.model.vocab_size
@@ -128,7 +110,7 @@ def main() -> None:
         "ttft_ms": percentiles(ttft),
         "tpot_ms": percentiles(tpot),
         "steps": {k: {"count": len(v), "median_ms": statistics.median(v) if v else None} for k, v in kinds.items()},
-        "compiles_at_warm_up": len(warm_up_compiles), "compiles_while_serving": len(compiled),
+        "compiles_at_warm_up": num_warm_up_compiles, "compiles_while_serving": len(compiled),
         "compiled_kernels_while_serving": sorted(set(name for _, name in compiled)),
     }
     versions = {"tandem": tandem.__version__, "torch": torch.__version__, "triton": triton.__version__}
@@ -144,7 +126,7 @@ def main() -> None:
     for kind, row in summary["steps"].items():
         if row["count"]:
             print(f"  {kind:7s} steps {row['count']:5d}  median {row['median_ms']:.2f} ms")
-    print(f"  Triton compiles: {len(warm_up_compiles)} at warm-up, {len(compiled)} while serving "
+    print(f"  Triton compiles: {num_warm_up_compiles} at warm-up, {len(compiled)} while serving "
           f"{summary['compiled_kernels_while_serving']}")
     for t, name in compiled[:20]:
         print(f"    t={t:.2f} s  {name}")

@@ -239,11 +239,14 @@ suite_diag() {
 
 span_phases() {  # MODE: the serve benchmark at 2 req/s with every span printed into the logs, then per phase
     step "spans-$1" 150 env OTEL_TRACES_EXPORTER=console $PY -m tandem.benchmarks.serve_modes --mode "$1" \
-        --model "$BIG" --device "$DEVICE" --max-num-seqs "$(n 64 8)" --rates 2 --num-requests "$(n 32 4)" \
+        --model "$BIG" --device "$DEVICE" --max-num-seqs "$(n "${SPAN_SEQS:-64}" 8)" --rates 2 --num-requests "$(n 32 4)" \
         --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/spans-serve-$1.json"
     local logs
     logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
     step "phases-$1" 60 $PY -m tandem.benchmarks.span_phases "$logs" --out "$OUT/phases-$1.json"
+    # Triton compiles each worker counted while starting, and any a request waited for (the compile watch).
+    grep -h 'Triton compiled' "$logs"/*.log > "$OUT/compiles-$1.log" 2>/dev/null
+    cat "$OUT/compiles-$1.log" | tee -a "$LOG" | cut -c1-400
 }
 
 # After the budget and warm-up changes: the engine alone at 2 req/s (no compile while serving?), the colocated serve
@@ -320,6 +323,17 @@ suite_serve_final() {
         --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" --num-requests "$(n 128 4)" \
         --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-disagg-final.json"
     span_phases disagg  # where the first disaggregated request's time goes (373 ms against 34 steady on 12-02)
+}
+
+# The first request after start-up with cold Triton caches, as on a fresh host (#14 item 4: within 2x of steady; on
+# 12-02 the disaggregated stack's first took 508 ms against 37 steady in the first run, 50 against 39 in a second one
+# with the disk cache warm): each worker logs what it compiled while serving. Then MPS-partitioned against time-shared.
+suite_first_request() {
+    TRITON_CACHE_DIR=$(mktemp -d /tmp/triton-cold.XXXXXX) SPAN_SEQS=128 span_phases disagg
+    TRITON_CACHE_DIR=$(mktemp -d /tmp/triton-cold.XXXXXX) SPAN_SEQS=128 span_phases colocated
+    step serve-split60 200 $PY -m tandem.benchmarks.serve_modes --mode split:60 --model "$BIG" \
+        --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,32 4)" --num-requests "$(n 128 4)" \
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-split60.json"
 }
 
 # One 32k prompt among 64 streams (#16), offline throughput with and without piecewise graphs (#16: not lower).

@@ -41,6 +41,8 @@ SPEC_ACCEPTED_TOKENS = Counter("tandem_spec_decode_num_accepted_tokens", "Specul
 SPEC_DRAFT_PROMPT_TOKENS = Counter("tandem_spec_decode_draft_prompt_tokens",
                                    "Prompt tokens a draft model computed on this worker (its K/V of the prompt are "
                                    "never shipped: computed here, also after a remote prefill)")
+TRITON_COMPILES = Counter("tandem_triton_compiles", "Triton kernel compiles, by phase (serving: a request waited "
+                          "for one that start-up did not reach)", ["phase"])
 PREFILL_PROMPT_TOKENS = Counter("tandem_prefill_prompt_tokens", "Prompt tokens a prefill worker computed")
 WORKERS_REFUSED = Gauge("tandem_gateway_workers_refused",
                         "Workers the gateway refuses because they serve another model")

@@ -9,6 +9,7 @@ import time
 import uuid
 
 from tandem.common.config import EngineConfig
+from tandem.engine.compile_watch import CompileWatch
 from tandem.engine.engine import Engine
 from tandem.engine.spec_decode import SpeculativeConfig
 from tandem.serving import metrics
@@ -21,9 +22,13 @@ from tandem.v1 import worker_pb2
 
 def start_engine(config: EngineConfig, role: str, speculative: SpeculativeConfig | None = None) -> AsyncEngine:
     """The worker's engine, warmed up (kernels compiled before the worker reports healthy), on its own thread; its
-    pool and queue read by `/metrics` at scrape time."""
+    pool and queue read by `/metrics` at scrape time. A Triton compile after warm-up is logged and counted
+    (`tandem_triton_compiles_total{phase="serving"}`): a request waited for it."""
+    watch = CompileWatch(lambda kernel: metrics.TRITON_COMPILES.labels("serving").inc())
     core = Engine(config, speculative=speculative)
     core.warm_up()
+    metrics.TRITON_COMPILES.labels("startup").inc(watch.num_startup)
+    watch.serving()
     engine = AsyncEngine(core, name=f"{role}-engine")
     pool = core.block_pool
     metrics.track_pool(lambda: pool.num_blocks, lambda: pool.num_free_blocks, lambda: core.scheduler.num_queued,
