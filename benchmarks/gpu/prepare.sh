@@ -7,6 +7,10 @@ cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
 rm -rf .whl && mkdir -p .whl
 $PY -m pip wheel -q --no-deps -w .whl . 2>&1 | grep -v -i warn || true
+# What the wheel was built from: run.sh refuses to run a wheel older than the tree it was carried with.
+# (The files a device call carries: tracked or untracked, not ignored; generated protobuf modules are ignored.)
+git ls-files -z -co --exclude-standard -- shared kernels prefill_svc decode_svc gateway protos benchmarks \
+    | grep -z '\.py$' | xargs -0 sha1sum > .whl/SOURCES.sha1
 version() { $PY -m pip show "$1" 2>/dev/null | awk '/^Version:/ {print $2}' || true; }
 # The image has grpcio 1.84: the health/reflection packages of that release.
 PINNED="grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0"

@@ -24,6 +24,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The tandem wheel must be built from this tree (prepare.sh records its sources): a stale one would measure old code.
+if ! sha1sum --quiet -c .whl/SOURCES.sha1 > /dev/null 2>&1; then
+    echo "the tandem wheel in .whl is not built from this tree: run benchmarks/gpu/prepare.sh"; exit 3
+fi
 if [ "${DRY_RUN:-0}" = 1 ]; then
     PY=${PY:-.venv/bin/python}
     OUT=${OUT:-/tmp/gpu-dry-run}
@@ -334,6 +338,39 @@ suite_first_request() {
     step serve-split60 200 $PY -m tandem.benchmarks.serve_modes --mode split:60 --model "$BIG" \
         --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,32 4)" --num-requests "$(n 128 4)" \
         --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-split60.json"
+}
+
+# 2026-12-02 (third session): the two calls before ran a wheel built before the warm-up fix, the token sink and the
+# stream interval (run.sh now refuses a stale wheel). The disaggregated first request with cold caches and the compile
+# watch, then #15's stack rows that those changes concern, the colocated first request last.
+suite_recheck() {
+    TRITON_CACHE_DIR=$(mktemp -d /tmp/triton-cold.XXXXXX) SPAN_SEQS=128 span_phases disagg
+    step gateway-alone 90 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 --gateway-workers 1 \
+        --num-requests "$(n 256 8)" --output-len "fixed:$(n 128 8)" --out "$OUT/gateway-alone-w1.json"
+    step gateway-alone-si4 90 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 --gateway-workers 1 \
+        --num-requests "$(n 256 8)" --output-len "fixed:$(n 128 8)" --stream-interval 4 \
+        --out "$OUT/gateway-alone-w1-si4.json"
+    stack_row 1b-128-w4 "$SMALL" 256 128 4
+    stack_row 1b-128-w4-si4 "$SMALL" 256 128 4 --stream-interval 4
+    stack_row 1b-1024-w4 "$SMALL" 256 1024 4
+    TRITON_CACHE_DIR=$(mktemp -d /tmp/triton-cold.XXXXXX) SPAN_SEQS=128 span_phases colocated
+}
+
+# The rest of #15's rows after `recheck` (its first 1B row ran with cold caches).
+suite_recheck_more() {
+    stack_row 1b-128-w4-warm "$SMALL" 256 128 4
+    stack_row 8b-256-w4 "$BIG" 1024 256 4
+}
+
+# Decode steps at large batches (#15: is the 1B engine at ~25,000 tok/s bound by the host or by the GPU?): wall,
+# host enqueue and GPU time per step, kernels by time.
+suite_decode_cost() {
+    step decode-cost-1b 150 $PY -m tandem.benchmarks.step_cost --model "$SMALL" --device "$DEVICE" --profile \
+        --prompt-tokens 0 --decodes "$(n 64,128,256 2,4)" --context "$(n 768 32)" --repeat "$(n 10 1)" \
+        --out "$OUT/decode-cost-1b.json"
+    step decode-cost-8b 150 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" --profile \
+        --prompt-tokens 0 --decodes "$(n 64,256 2,4)" --context "$(n 1024 32)" --repeat "$(n 10 1)" \
+        --out "$OUT/decode-cost-8b.json"
 }
 
 # One 32k prompt among 64 streams (#16), offline throughput with and without piecewise graphs (#16: not lower).
