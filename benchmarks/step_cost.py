@@ -10,6 +10,9 @@ computed in the same step (P = 0: a pure decode step). Reported per shape, media
   enqueue_ms  the forward's host time, inputs included (until the runner's logits call returns, kernels still
               queued): eager launches, or piecewise/decode graph replays
   gpu_ms      the forward's GPU time (CUDA events around that call)
+  schedule_ms, prepare_ms, update_ms
+              the engine's bookkeeping on the host: `Scheduler.schedule`, a pure decode step's inputs
+              (`prepare_decode`; a mixed step's are in enqueue_ms) and `Scheduler.update_from_output`
 
 `enqueue_ms` close to `gpu_ms` means the host launches kernels no faster than the GPU runs them: the step is
 host-bound, and CUDA graphs (or fewer launches) are what shortens it. With `--profile`, the GPU kernels of one step
@@ -82,6 +85,22 @@ def main() -> None:
 
     for name, fn in originals.items():
         setattr(runner, name, timed(fn))
+    # The engine's own bookkeeping on the host (the GPU idles through it in a pure decode step): schedule, the decode
+    # inputs, the update with the sampled tokens.
+    bookkeeping = {"schedule": (engine.scheduler, "schedule"), "prepare": (runner, "prepare_decode"),
+                   "update": (engine.scheduler, "update_from_output")}
+    bookkeeping_originals = {key: getattr(obj, name) for key, (obj, name) in bookkeeping.items()}
+
+    def host_timed(key: str, fn: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            result = fn(*a, **kw)
+            timing[key] = time.perf_counter() - t0
+            return result
+        return call
+
+    for key, (obj, name) in bookkeeping.items():
+        setattr(obj, name, host_timed(key, bookkeeping_originals[key]))
     rows: list[dict[str, Any]] = []
     counter = 0
     for num_decode in args.decodes:
@@ -95,7 +114,8 @@ def main() -> None:
         for num_prompt in args.prompt_tokens:
             if num_prompt == 0 and num_decode == 0:
                 continue
-            samples: dict[str, list[float]] = {"wall": [], "enqueue": [], "gpu": []}
+            samples: dict[str, list[float]] = {"wall": [], "enqueue": [], "gpu": [], "schedule": [], "prepare": [],
+                                               "update": []}
             profile: list[dict[str, Any]] = []
             for rep in range(args.repeat + 1 + int(args.profile)):
                 if num_prompt:
@@ -109,6 +129,7 @@ def main() -> None:
                         if profiling and cuda else None)
                 if prof is not None:
                     prof.__enter__()
+                timing["prepare"] = 0.0  # a mixed step prepares its inputs in `chunk_logits` (in enqueue)
                 t0 = time.perf_counter()
                 engine.step()
                 wall = time.perf_counter() - t0
@@ -122,6 +143,8 @@ def main() -> None:
                     continue  # the first step of a shape settles allocations
                 samples["wall"].append(wall)
                 samples["enqueue"].append(timing["enqueue"])
+                for key in bookkeeping:
+                    samples[key].append(timing[key])
                 if cuda:
                     begin, end = timing["events"]
                     samples["gpu"].append(begin.elapsed_time(end) / 1e3)
@@ -138,6 +161,8 @@ def main() -> None:
             engine.step()
     for name, fn in originals.items():
         setattr(runner, name, fn)
+    for key, (obj, name) in bookkeeping.items():
+        setattr(obj, name, bookkeeping_originals[key])
 
     report = {"benchmark": "step_cost", "args": vars(args) | {"out": str(args.out)},
               "versions": {"tandem": tandem.__version__, "torch": torch.__version__},
@@ -148,10 +173,12 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
     print(f"piecewise graphs: {'on' if runner.mixed_graphs is not None else 'off'}; engine up in {startup_s:.1f} s")
-    print(f"{'prompt':>7s} {'decodes':>7s} {'wall ms':>8s} {'enqueue ms':>10s} {'gpu ms':>7s}")
+    print(f"{'prompt':>7s} {'decodes':>7s} {'wall ms':>8s} {'enqueue ms':>10s} {'gpu ms':>7s}  "
+          f"{'schedule':>8s} {'prepare':>8s} {'update':>8s}")
     for r in rows:
         gpu = f"{r['gpu_ms']:7.2f}" if r["gpu_ms"] is not None else "      -"
-        print(f"{r['prompt_tokens']:7d} {r['decodes']:7d} {r['wall_ms']:8.2f} {r['enqueue_ms']:10.2f} {gpu}")
+        print(f"{r['prompt_tokens']:7d} {r['decodes']:7d} {r['wall_ms']:8.2f} {r['enqueue_ms']:10.2f} {gpu}  "
+              f"{r['schedule_ms']:8.3f} {r['prepare_ms']:8.3f} {r['update_ms']:8.3f}")
         for k in r.get("kernels", [])[:6]:
             print(f"        {k['ms']:8.3f} ms  {k['calls']:4d}x  {k['name']}")
 

@@ -42,7 +42,7 @@ from tandem.common.config import ConfigError, EngineConfig, ModelConfig
 from tandem.engine.kv_cache import bytes_per_block, kv_cache_dtype
 from tandem.engine.model import LlamaForCausalLM
 from tandem.engine.request import Request
-from tandem.engine.runner import DecodeInputs, ModelRunner, select_ops
+from tandem.engine.runner import DecodeInputs, ModelRunner, host_tensor, select_ops
 from tandem.engine.sampler import SamplingTensors, sample
 from tandem.engine.spec_decode import SpeculativeConfig, select_requests, target_probs
 
@@ -301,8 +301,7 @@ class DraftProposer:
         return self.runner.forward_decode(decode.to(self.device), self.runner.num_splits_for(len(tables)))
 
     def _host(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=dtype)
-        return tensor.pin_memory() if self.device.type == "cuda" else tensor
+        return host_tensor(values, dtype, pin=self.device.type == "cuda")
 
 
 def _token_at(request: Request, position: int) -> int:

@@ -193,11 +193,15 @@ class Engine:
             hook = self.on_prefill_step([(r, r.num_computed_tokens, n)
                                          for r, n in zip(output.requests, output.num_new_tokens, strict=True)])
         token_ids, logprobs = self.runner.execute(output, hook)
-        # Read before the update moves each request's computed tokens on.
-        num_spec = [output.num_spec_tokens(i) for i in range(len(output.requests))]
-        sampled = [output.samples(i) for i in range(len(output.requests))]
-        num_draft = sum(num_spec)
-        num_accepted = sum(len(ids) - 1 for ids in token_ids) if num_draft else 0
+        num_spec: list[int] = []
+        sampled: list[bool] = []
+        num_draft = num_accepted = 0
+        if self.speculative is not None:  # only speculation makes proposals
+            # Read before the update moves each request's computed tokens on.
+            num_spec = [output.num_spec_tokens(i) for i in range(len(output.requests))]
+            sampled = [output.samples(i) for i in range(len(output.requests))]
+            num_draft = sum(num_spec)
+            num_accepted = sum(len(ids) - 1 for ids in token_ids) if num_draft else 0
         finished = self.scheduler.update_from_output(output, token_ids, logprobs)
         for request in finished:
             self.requests.pop(request.req_id, None)

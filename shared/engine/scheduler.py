@@ -317,6 +317,8 @@ class Scheduler:
         """Advance every scheduled request by its computed tokens and append what each that sampled emitted, in
         the order of those requests: a token, or (a verify step) the run of its accepted proposals plus the
         target's next token; finish those that stop. Returns the finished."""
+        if output.is_pure_decode:
+            return self._update_decodes(output.requests, token_ids, logprobs)
         finished: list[Request] = []
         sampled = iter(zip(token_ids, logprobs, strict=True))
         for request, num_new in zip(output.requests, output.num_new_tokens, strict=True):
@@ -363,6 +365,44 @@ class Scheduler:
                 if num_spec:
                     self._cache_blocks(request)  # the accepted proposals' blocks, now that they are tokens
                     self._trim(request)
+        return finished
+
+    def _update_decodes(self, requests: list[Request], token_ids: Sequence[int | Sequence[int]],
+                        logprobs: Sequence[float | Sequence[float]]) -> list[Request]:
+        """`update_from_output` of a pure decode step (every request computed its last token and emitted one, no
+        proposals): the same effects in one pass with no per-request helper calls, since at a batch of 256 this
+        loop is a tenth of the step (`tests/unit/test_scheduler_update.py` checks it against the general path)."""
+        finished: list[Request] = []
+        running = RequestStatus.RUNNING
+        block_size = self.block_size
+        caching = self.prefix_key is not None
+        eos = self.eos_token_ids
+        for request, ids, probs in zip(requests, token_ids, logprobs, strict=True):
+            if request.status is not running:
+                continue  # aborted while the step ran
+            token_id = ids if isinstance(ids, int) else ids[0]
+            logprob = probs if isinstance(probs, float) else probs[0]
+            computed = request.num_computed_tokens + 1
+            request.num_computed_tokens = computed
+            if caching and computed // block_size > request.num_registered_blocks:
+                self._cache_blocks(request)
+            if request.prefill_only:
+                request.output_token_ids.append(token_id)
+                request.output_logprobs.append(logprob)
+                request.status = RequestStatus.PREFILLED
+                self.running.remove(request)
+                self.prefilled[request.req_id] = request
+                continue
+            output = request.output_token_ids
+            output.append(token_id)
+            request.output_logprobs.append(logprob)
+            params = request.params
+            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos):
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                finished.append(request)
+            elif len(output) >= params.max_tokens:
+                self.finish(request, RequestStatus.FINISHED_LENGTH)
+                finished.append(request)
         return finished
 
     def _trim(self, request: Request) -> None:
