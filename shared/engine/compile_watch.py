@@ -42,7 +42,7 @@ class CompileWatch:
 
     def _hook(self, *args: Any, **kwargs: Any) -> Any:
         fn = kwargs.get("fn")  # Triton's JitFunctionInfo(module, name, jit_function)
-        name = getattr(fn, "name", None) or getattr(fn, "__name__", repr(fn))
+        name = str(getattr(fn, "name", None) or getattr(fn, "__name__", repr(fn)))
         if self._serving:
             self.num_serving += 1
             self.serving_kernels.append(name)
