@@ -152,7 +152,8 @@ def main() -> None:
                              "8.67 ms at 64, 18.90 at 256 on the H200)")
     parser.add_argument("--overhead-ms", type=float, default=1.0, help="serving overhead per step")
     parser.add_argument("--backlog-steps", type=int, default=None,
-                        help="steps a backlog of prompt tokens is spread over with a cap (default: the scheduler's)")
+                        help="with a cap: capped steps' worth of waiting prompt tokens past which a step takes the "
+                             "whole budget (default: the scheduler's BACKLOG_STEPS)")
     parser.add_argument("--seeds", type=int, default=3, help="runs per rate (medians reported)")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", type=Path)
@@ -181,8 +182,8 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
-    print(f"budget {args.max_num_batched_tokens}, prompt cap {args.prompt_tokens_while_decoding or 'off'}, backlog "
-          f"spread over {args.backlog_steps} steps (median of {args.seeds} runs)")
+    print(f"budget {args.max_num_batched_tokens}, prompt cap {args.prompt_tokens_while_decoding or 'off'} (lifted past "
+          f"{args.backlog_steps} capped steps of backlog; median of {args.seeds} runs)")
     print(f"{'rate':>6s} {'TTFT p50':>9s} {'p99':>8s} {'TPOT p50':>9s} {'ITL p99':>8s} {'ITL/TPOT':>8s} "
           f"{'goodput':>8s}")
     for r in results:

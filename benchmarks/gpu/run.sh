@@ -26,7 +26,8 @@ cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # The tandem wheel must be built from this tree (prepare.sh records its sources): a stale one would measure old code.
 if ! sha1sum --quiet -c .whl/SOURCES.sha1 > /dev/null 2>&1; then
-    echo "the tandem wheel in .whl is not built from this tree: run benchmarks/gpu/prepare.sh"; exit 3
+    echo "the tandem wheel in .whl is not built from this tree: run benchmarks/gpu/prepare.sh"
+    [ "${DRY_RUN:-0}" = 1 ] || exit 3  # the dry run uses the venv: a warning there
 fi
 if [ "${DRY_RUN:-0}" = 1 ]; then
     PY=${PY:-.venv/bin/python}
@@ -371,6 +372,17 @@ suite_decode_cost() {
     step decode-cost-8b 150 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" --profile \
         --prompt-tokens 0 --decodes "$(n 64,256 2,4)" --context "$(n 1024 32)" --repeat "$(n 10 1)" \
         --out "$OUT/decode-cost-8b.json"
+}
+
+# #16's candidate policy from `benchmarks/sched_sim.py` (cap 384 beside decodes, 1,280-token steps: ITL p99 within
+# 2.5x TPOT p50 at every rate in the model, goodput -19% at 32 req/s) against the defaults, same lease; then the
+# step costs at the context the serve run reaches (the model's table was measured at 1,024).
+suite_policy() {
+    serve_chunks policy-defaults "" 200
+    serve_chunks policy-cap384-1280 "--prompt-tokens-while-decoding 384 --max-num-batched-tokens 1280" 200
+    step step-cost-8b-1152 120 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" \
+        --prompt-tokens "$(n 0,128,256,384,512,1024,1280,2048 0,16)" --decodes "$(n 0,1,16,64,128 0,2)" \
+        --context "$(n 1152 32)" --repeat "$(n 5 1)" --out "$OUT/step-cost-8b-1152.json"
 }
 
 # One 32k prompt among 64 streams (#16), offline throughput with and without piecewise graphs (#16: not lower).

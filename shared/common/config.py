@@ -149,12 +149,9 @@ DEFAULT_BATCHED_TOKENS_UNCHUNKED = 8192
 # of 512: 41.8 / 17.1 ms; of 384: 53.8 / 17.3 ms. A 1,024-token prompt then takes 2-3 steps that were not much
 # shorter (16 ms for 512 prompt tokens beside ~3 decodes, against 12.8 ms alone: our reading is the GEMMs' rows padded
 # past a tile). Left as an option for experiments.
-# With a cap, a step beside decodes computes the prompt tokens waiting spread over this many steps (at least the cap,
-# at most the budget): steps grow with the queue. Chosen with `benchmarks/sched_sim.py` on the H200's step costs
-# (8B, 1,024/256 tokens, 2-48 req/s, cap 384; benchmarks/results/README.md, "Scheduling policies in simulation"):
-# with 2 steps grew too soon (ITL p99 33.6 ms at 16 req/s against 28.4 with 3), with 4 prompts waited longer
-# (goodput at 32 req/s 11.7 against 12.3 with 3).
-BACKLOG_STEPS = 3
+# The cap is lifted while more prompt tokens wait than this many capped steps would clear (throughput first when the
+# queue builds).
+BACKLOG_STEPS = 8
 # max_model_len's default cap (the model's context may be far longer): CUDA graphs size their block tables and
 # the decode attention its splits from it. A larger value can always be given.
 DEFAULT_MAX_MODEL_LEN = 8192

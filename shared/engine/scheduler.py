@@ -10,10 +10,10 @@ request is preempted by recompute (its blocks are freed and it goes back to the 
 
 Without chunked prefill a prompt is scheduled whole or not at all (the budget must then hold a whole prompt).
 
-With `prompt_tokens_while_decoding` set, a step that carries decode tokens computes the waiting prompt tokens spread
-over BACKLOG_STEPS steps, at least that cap and at most the budget (the stall-free batching of Sarathi-Serve: the
-decoding requests' inter-token latency stays near a decode step's while the queue is short, and steps grow with the
-queue, not in one jump to the budget).
+A step that carries decode tokens computes at most `prompt_tokens_while_decoding` prompt tokens while the queue is
+short (the stall-free batching of Sarathi-Serve: the decoding requests' inter-token latency stays near a decode
+step's), and the whole budget once more prompt tokens wait than BACKLOG_STEPS such steps would clear (throughput
+first when the queue builds).
 
 Prefix caching: on admission a request's full blocks are looked up by hash in the block pool; the cached prefix
 is shared (reference counted) and not computed again (its tokens count as computed), and every block that fills
@@ -189,10 +189,8 @@ class Scheduler:
                                preempted=preempted, reserved=reserved)
 
     def _prompt_budget(self, budget: int) -> int:
-        """Prompt tokens this step may compute while some running request decodes: the prompt tokens waiting spread
-        over BACKLOG_STEPS steps, at least `prompt_tokens_while_decoding` and at most the budget (the whole budget
-        with no cap, or when nobody decodes). Step sizes then follow the backlog smoothly instead of jumping from
-        the cap to the budget (`benchmarks/sched_sim.py` compares the two)."""
+        """Prompt tokens this step may compute: `prompt_tokens_while_decoding` when some running request decodes
+        and the queue is short, else the whole budget."""
         cap = self.config.prompt_tokens_while_decoding
         if not cap or cap >= budget or all(r.is_prefilling for r in self.running):
             return budget
@@ -200,9 +198,9 @@ class Scheduler:
         for request in (*self.running, *self.waiting):
             if request.is_prefilling or (request.status == RequestStatus.WAITING and not request.remote_prefill):
                 backlog += request.num_tokens - request.num_computed_tokens
-                if backlog >= BACKLOG_STEPS * budget:
+                if backlog > BACKLOG_STEPS * cap:
                     return budget
-        return min(budget, max(cap, -(-backlog // BACKLOG_STEPS)))
+        return cap
 
     def _grow(self, request: Request, num_new: int, index: int, preempted: list[Request]) -> bool:
         """Blocks for `request`'s next `num_new` tokens, preempting the newest running requests after it (then
