@@ -169,6 +169,11 @@ class Engine:
         self.scheduler.add(request)
         return request
 
+    def reserve_waiting(self) -> list[Request]:
+        """Decode role, between steps: reserve the blocks of the remote-prefill requests at the head of the queue
+        now rather than in the next step (`Scheduler.reserve_waiting`); the requests reserved."""
+        return self.scheduler.reserve_waiting()
+
     def abort(self, req_id: str) -> None:
         """End a request wherever it is and free its blocks now; unknown ids are ignored."""
         request = self.requests.pop(req_id, None)

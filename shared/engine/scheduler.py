@@ -231,13 +231,8 @@ class Scheduler:
                 request.remote_prefill = False
                 request.local_prefill_reason = "prefix_cached"
             if request.remote_prefill:
-                num_blocks = num_blocks_for(request.num_tokens, self.block_size) - len(hits)
-                if not self.block_pool.can_allocate(num_blocks, hits):
+                if not self._reserve(request, hits):
                     break
-                self.waiting.popleft()
-                self._take(request, hits, num_blocks)
-                request.status = RequestStatus.WAITING_FOR_KV
-                self.receiving[request.req_id] = request
                 reserved.append(request)
                 continue
             num_new = request.num_tokens - num_cached
@@ -256,6 +251,37 @@ class Scheduler:
             chunks.append((request, num_new))
             budget -= num_new
         return budget
+
+    def _reserve(self, request: Request, hits: list[int], headroom: int = 0) -> bool:
+        """Reserve the blocks of the request at the head of the queue, whose pages a remote worker computes (after
+        the `hits` cached here); False when the pool would keep fewer than `headroom` blocks free."""
+        num_blocks = num_blocks_for(request.num_tokens, self.block_size) - len(hits)
+        if not self.block_pool.can_allocate(num_blocks + headroom, hits):
+            return False
+        self.waiting.popleft()
+        self._take(request, hits, num_blocks)
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.receiving[request.req_id] = request
+        return True
+
+    def reserve_waiting(self) -> list[Request]:
+        """Decode role, between steps: reserve now what the next step's admission would, for the remote-prefill
+        requests at the head of the queue (in order; a request computed here, one that does not fit, or a full batch
+        stops it, as in `_admit`), so that their prefill starts without waiting a step (a step of a large batch
+        takes 10-20 ms). A request whose prompt is cached here but for its last block is left to `_admit`. A block
+        per running request stays free: those grow first in a step, and a reservation must not preempt them."""
+        reserved: list[Request] = []
+        while self.waiting:
+            request = self.waiting[0]
+            if not request.remote_prefill or len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
+                break
+            hits = self._find_cached(request)
+            if hits and request.num_tokens - len(hits) * self.block_size <= self.block_size:
+                break
+            if not self._reserve(request, hits, headroom=len(self.running)):
+                break
+            reserved.append(request)
+        return reserved
 
     # -- prefix cache --------------------------------------------------------------------------
     def _hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:

@@ -209,12 +209,27 @@ class AsyncEngine:
                 if batch is None:
                     batch = by_loop[stream.loop] = []
                 batch.append((stream, token_event))
-        for request in result.reserved:
+        self._add_reserved(result.reserved, by_loop)
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
+
+    def _add_reserved(self, reserved: list[Request],
+                      by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]]) -> None:
+        for request in reserved:
             if (reserved_stream := self._streams.get(request.req_id)) is not None:
                 by_loop.setdefault(reserved_stream.loop, []).append(
                     (reserved_stream, ReservedEvent(list(request.block_ids), request.num_cached_tokens)))
-        for loop, batch in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, batch)
+
+    def _reserve_waiting(self) -> None:
+        """Engine thread, between steps: reserve blocks for the remote-prefill requests at the head of the queue
+        at once and tell their streams, rather than in the next step's admission (that step's time was part of
+        every disaggregated request's TTFT: `decode.admission` 8.0 ms median on the H200 at 2 req/s)."""
+        reserved = self.engine.reserve_waiting()
+        if reserved:
+            by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+            self._add_reserved(reserved, by_loop)
+            for loop, batch in by_loop.items():
+                loop.call_soon_threadsafe(_put_all, batch)
 
     def post_event(self, req_id: str, event: Any) -> None:
         """Engine thread: hand any event to the request's stream (used by the prefill page hook)."""
@@ -241,6 +256,7 @@ class AsyncEngine:
                 except queue.Empty:
                     break
                 command()
+            self._reserve_waiting()
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
                 continue

@@ -279,3 +279,54 @@ def test_chunks_shrink_past_a_long_context() -> None:
         scheduler.update_from_output(output, [5] * num_sampling, [0.0] * num_sampling)
     assert all(n == min(chunk_limit(4096, context), prompt_len - context) for context, n in chunks)
     assert sum(n for _, n in chunks) == prompt_len and chunks[1] == (4096, 4096) and chunks[-1][1] < 4096
+
+
+def remote(req_id: str, prompt_len: int) -> Request:
+    request = make_request(req_id, prompt_len)
+    request.remote_prefill = True
+    return request
+
+
+def test_remote_prefill_requests_are_reserved_between_steps_in_order() -> None:
+    scheduler = make_scheduler(num_blocks=16, max_num_seqs=4)
+    scheduler.add(make_request("local", 4, max_tokens=20))
+    run_step(scheduler)  # running, holding 1 block (2 once its next token starts a new one)
+    for request in (remote("a", 8), remote("b", 8), make_request("c", 4), remote("d", 4)):
+        scheduler.add(request)
+    reserved = scheduler.reserve_waiting()
+    # a and b (2 blocks each), at once; the local c stops it (first come, first served), so d waits behind it.
+    assert [r.req_id for r in reserved] == ["a", "b"]
+    assert all(r.status is RequestStatus.WAITING_FOR_KV and len(r.block_ids) == 2 for r in reserved)
+    assert [r.req_id for r in scheduler.waiting] == ["c", "d"]
+    assert scheduler.reserve_waiting() == []
+    # The next step admits c (the batch is then full: 1 running + 2 receiving + c) and reserves nobody twice.
+    output = scheduler.schedule()
+    assert output is not None and output.reserved == [] and [r.req_id for r in output.requests] == ["local", "c"]
+    scheduler.block_pool.check_integrity()
+
+
+def test_a_reservation_between_steps_leaves_a_block_per_running_request() -> None:
+    scheduler = make_scheduler(num_blocks=6, max_num_seqs=8)
+    for i in range(2):
+        scheduler.add(make_request(f"run{i}", 4, max_tokens=20))
+    run_step(scheduler)  # two running requests, a block each: 4 free
+    scheduler.add(remote("big", 13))  # 4 blocks: it would leave nothing for the running requests to grow into
+    assert scheduler.reserve_waiting() == []
+    scheduler.add(remote("later", 4))
+    assert scheduler.reserve_waiting() == []  # behind the head, whatever its size
+    # The step grows the running requests first, then admission reserves what fits (as before).
+    output = scheduler.schedule()
+    assert output is not None and output.preempted == [] and output.reserved == []
+    scheduler.block_pool.check_integrity()
+
+
+def test_a_prompt_cached_but_for_its_last_block_is_left_to_the_step() -> None:
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler = Scheduler(config, BlockPool(32), BLOCK, (EOS,), prefix_key=b"model")
+    scheduler.add(make_request("first", 9, max_tokens=1))
+    run_step(scheduler)  # its two full blocks are now cached
+    scheduler.add(remote("again", 9))
+    assert scheduler.reserve_waiting() == []
+    output = scheduler.schedule()
+    assert output is not None and [r.req_id for r in output.requests] == ["again"]
+    assert output.requests[0].local_prefill_reason == "prefix_cached"
