@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
@@ -58,6 +60,11 @@ async def serve(service: ServiceOptions, config: EngineConfig, model_name: str, 
                 on_started: Callable[[str, int], None] | None = None, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM (or `stop`, for a worker run inside a test), pulling prompts' pages only from the
     prefill workers in `prefill_peers` or in the registry, with the stack's internal token when it has one."""
+    # The engine thread shares the GIL with the event loop, whose work per step (a batch's tokens into session
+    # messages) runs in long Python stretches: a shorter switch interval lets the engine thread launch the next step
+    # sooner. An experiment's knob until measured on a GPU (`benchmarks/gpu/run.sh next`); Python's 5 ms otherwise.
+    if (interval := os.environ.get("TANDEM_DECODE_SWITCH_INTERVAL_S")):
+        sys.setswitchinterval(float(interval))
     engine = start_engine(config, "decode", speculative)
     registry = RedisRegistry(service.redis_url) if service.redis_url else None
     if registry is not None:

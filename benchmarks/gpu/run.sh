@@ -385,6 +385,15 @@ suite_policy() {
         --context "$(n 1152 32)" --repeat "$(n 5 1)" --out "$OUT/step-cost-8b-1152.json"
 }
 
+# For the next session (after `policy`, a call of its own): what the host-bookkeeping cut and admission between steps
+# did (#15, #14), then decode's GIL switch interval (5 ms, Python's, against 0.5 ms). ~5 min.
+suite_next() {
+    suite_decode_cost
+    span_phases disagg
+    stack_row 1b-1024-w4-si5ms "$SMALL" 256 1024 4
+    TANDEM_DECODE_SWITCH_INTERVAL_S=0.0005 stack_row 1b-1024-w4-si05ms "$SMALL" 256 1024 4
+}
+
 # One 32k prompt among 64 streams (#16), offline throughput with and without piecewise graphs (#16: not lower).
 suite_long_offline() {
     long_prompt final ""
