@@ -256,7 +256,12 @@ class AsyncEngine:
                 except queue.Empty:
                     break
                 command()
-            self._reserve_waiting()
+            try:
+                self._reserve_waiting()
+            except Exception as exc:  # as a failed step: fail what is in flight rather than strand it
+                log.exception("reserving blocks failed; failing the requests in flight")
+                self._fail_all(exc)
+                continue
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
                 continue
