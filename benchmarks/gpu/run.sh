@@ -18,6 +18,11 @@
 #   stepcost, piecewise, serve_colocated, serve_final, long_offline, last
 #            step cost by shape (eager vs piecewise CUDA graphs), serving at 2-48 req/s, the 32k prompt, offline
 #            throughput with and without the graphs (2026-12-02; see each suite's comment)
+#   first_request, recheck, recheck_more, decode_cost
+#            cold-cache first requests with the compile watch, #15's stack rows, decode step cost at large batches
+#            (2026-12-02, third session)
+#   policy   #16's candidate scheduling policy (from benchmarks/sched_sim.py) against the defaults, ~6 min
+#   next     decode step cost, disaggregated phases, decode's GIL switch interval A/B, ~5 min
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
