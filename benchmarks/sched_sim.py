@@ -114,6 +114,8 @@ def simulate(cost: Callable[[int, int], float], rate: float, num_requests: int, 
             next_arrival += 1
         output = scheduler.schedule()
         if output is None or not output.requests:
+            if next_arrival == num_requests:
+                raise RuntimeError("requests are left that the scheduler cannot run (a pool or budget too small)")
             clock = arrivals[next_arrival]  # idle until the next arrival
             continue
         num_prompt = sum(n for r, n in zip(output.requests, output.num_new_tokens, strict=True) if r.is_prefilling)
