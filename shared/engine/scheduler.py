@@ -226,7 +226,7 @@ class Scheduler:
                 break
             hits = self._find_cached(request)
             num_cached = len(hits) * self.block_size
-            if request.remote_prefill and hits and request.num_tokens - num_cached <= self.block_size:
+            if request.remote_prefill and self._cached_but_last_block(request, hits):
                 # The whole prompt is cached here but for its last block: a prefill worker would add nothing.
                 request.remote_prefill = False
                 request.local_prefill_reason = "prefix_cached"
@@ -252,6 +252,10 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _cached_but_last_block(self, request: Request, hits: list[int]) -> bool:
+        """Whether the prompt is cached here but for its last block: a prefill worker would add nothing."""
+        return bool(hits) and request.num_tokens - len(hits) * self.block_size <= self.block_size
+
     def _reserve(self, request: Request, hits: list[int], headroom: int = 0) -> bool:
         """Reserve the blocks of the request at the head of the queue, whose pages a remote worker computes (after
         the `hits` cached here); False when the pool would keep fewer than `headroom` blocks free."""
@@ -275,8 +279,10 @@ class Scheduler:
             request = self.waiting[0]
             if not request.remote_prefill or len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
                 break
+            if self.block_pool.num_free_blocks <= len(self.running):
+                break  # no block to spare (checked before the prefix lookup: this runs between every two steps)
             hits = self._find_cached(request)
-            if hits and request.num_tokens - len(hits) * self.block_size <= self.block_size:
+            if self._cached_but_last_block(request, hits):
                 break
             if not self._reserve(request, hits, headroom=len(self.running)):
                 break
@@ -376,12 +382,7 @@ class Scheduler:
             request.num_accepted_tokens += num_accepted
             self._cache_blocks(request)
             if request.prefill_only:
-                # The decode worker applies the stop rules to this token; the pages must ship anyway.
-                request.output_token_ids.append(ids[0])
-                request.output_logprobs.append(probs[0])
-                request.status = RequestStatus.PREFILLED
-                self.running.remove(request)
-                self.prefilled[request.req_id] = request
+                self._prefilled(request, ids[0], probs[0])
                 continue
             for token_id, logprob in zip(ids, probs, strict=True):
                 if self.append_token(request, token_id, logprob):
@@ -396,13 +397,13 @@ class Scheduler:
     def _update_decodes(self, requests: list[Request], token_ids: Sequence[int | Sequence[int]],
                         logprobs: Sequence[float | Sequence[float]]) -> list[Request]:
         """`update_from_output` of a pure decode step (every request computed its last token and emitted one, no
-        proposals): the same effects in one pass with no per-request helper calls, since at a batch of 256 this
-        loop is a tenth of the step (`tests/unit/test_scheduler_update.py` checks it against the general path)."""
+        proposals): the same effects in one pass without the general path's per-request bookkeeping, since at a
+        batch of 256 this loop is a tenth of the step (`tests/unit/test_scheduler_update.py` checks it against the
+        general path)."""
         finished: list[Request] = []
         running = RequestStatus.RUNNING
         block_size = self.block_size
         caching = self.prefix_key is not None
-        eos = self.eos_token_ids
         for request, ids, probs in zip(requests, token_ids, logprobs, strict=True):
             if request.status is not running:
                 continue  # aborted while the step ran
@@ -413,23 +414,24 @@ class Scheduler:
             if caching and computed // block_size > request.num_registered_blocks:
                 self._cache_blocks(request)
             if request.prefill_only:
-                request.output_token_ids.append(token_id)
-                request.output_logprobs.append(logprob)
-                request.status = RequestStatus.PREFILLED
-                self.running.remove(request)
-                self.prefilled[request.req_id] = request
+                self._prefilled(request, token_id, logprob)
                 continue
-            output = request.output_token_ids
-            output.append(token_id)
+            request.output_token_ids.append(token_id)
             request.output_logprobs.append(logprob)
-            params = request.params
-            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos):
-                self.finish(request, RequestStatus.FINISHED_STOPPED)
-                finished.append(request)
-            elif len(output) >= params.max_tokens:
-                self.finish(request, RequestStatus.FINISHED_LENGTH)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self.finish(request, status)
                 finished.append(request)
         return finished
+
+    def _prefilled(self, request: Request, token_id: int, logprob: float) -> None:
+        """Prefill role: the prompt is computed and its first token sampled; the decode worker applies the stop
+        rules to it. The blocks stay held until the pages are shipped."""
+        request.output_token_ids.append(token_id)
+        request.output_logprobs.append(logprob)
+        request.status = RequestStatus.PREFILLED
+        self.running.remove(request)
+        self.prefilled[request.req_id] = request
 
     def _trim(self, request: Request) -> None:
         """After a verify step: free the blocks only rejected proposals used (the next step needs blocks up to its

@@ -210,8 +210,7 @@ class AsyncEngine:
                     batch = by_loop[stream.loop] = []
                 batch.append((stream, token_event))
         self._add_reserved(result.reserved, by_loop)
-        for loop, batch in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, batch)
+        _dispatch(by_loop)
 
     def _add_reserved(self, reserved: list[Request],
                       by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]]) -> None:
@@ -228,8 +227,7 @@ class AsyncEngine:
         if reserved:
             by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
             self._add_reserved(reserved, by_loop)
-            for loop, batch in by_loop.items():
-                loop.call_soon_threadsafe(_put_all, batch)
+            _dispatch(by_loop)
 
     def post_event(self, req_id: str, event: Any) -> None:
         """Engine thread: hand any event to the request's stream (used by the prefill page hook)."""
@@ -291,6 +289,12 @@ class AsyncEngine:
             self.engine.abort(req_id)
         for req_id in list(self.engine.requests):
             self.engine.abort(req_id)
+
+
+def _dispatch(by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]]) -> None:
+    """Engine thread: hand each loop its batch of events in one wake-up."""
+    for loop, batch in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, batch)
 
 
 def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
