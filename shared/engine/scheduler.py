@@ -404,6 +404,7 @@ class Scheduler:
         running = RequestStatus.RUNNING
         block_size = self.block_size
         caching = self.prefix_key is not None
+        eos = self.eos_token_ids
         for request, ids, probs in zip(requests, token_ids, logprobs, strict=True):
             if request.status is not running:
                 continue  # aborted while the step ran
@@ -416,11 +417,17 @@ class Scheduler:
             if request.prefill_only:
                 self._prefilled(request, token_id, logprob)
                 continue
-            request.output_token_ids.append(token_id)
+            output = request.output_token_ids
+            output.append(token_id)
             request.output_logprobs.append(logprob)
-            status = self._stop_status(request, token_id)
-            if status is not None:
-                self.finish(request, status)
+            # `_stop_status` inline: its call costs ~1 us per request (~0.25 ms a step of 238 requests on the CPU VM,
+            # a third of this loop); the lockstep test holds the two to the same result.
+            params = request.params
+            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos):
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                finished.append(request)
+            elif len(output) >= params.max_tokens:
+                self.finish(request, RequestStatus.FINISHED_LENGTH)
                 finished.append(request)
         return finished
 
