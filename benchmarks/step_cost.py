@@ -164,15 +164,21 @@ def main() -> None:
     for key, (obj, name) in bookkeeping.items():
         setattr(obj, name, bookkeeping_originals[key])
 
+    graph_buckets = {kind: {"times_ms": {k: round(v, 3) for k, v in g.bucket.times_ms.items()}, "route": g.bucket.route}
+                     for kind, g in (("decode", runner.graphs), ("piecewise", runner.mixed_graphs)) if g is not None}
     report = {"benchmark": "step_cost", "args": vars(args) | {"out": str(args.out)},
               "versions": {"tandem": tandem.__version__, "torch": torch.__version__},
               "gpu": torch.cuda.get_device_name() if cuda else None,
               "piecewise_graphs": runner.mixed_graphs is not None, "startup_s": round(startup_s, 2),
+              "graph_buckets": graph_buckets,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
     print(f"piecewise graphs: {'on' if runner.mixed_graphs is not None else 'off'}; engine up in {startup_s:.1f} s")
+    for kind, buckets in graph_buckets.items():
+        moved = {size: to for size, to in buckets["route"].items() if to != size}
+        print(f"{kind} graphs' buckets (ms): {buckets['times_ms']}; replayed larger: {moved or 'none'}")
     print(f"{'prompt':>7s} {'decodes':>7s} {'wall ms':>8s} {'enqueue ms':>10s} {'gpu ms':>7s}  "
           f"{'schedule':>8s} {'prepare':>8s} {'update':>8s}")
     for r in rows:

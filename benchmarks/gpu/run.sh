@@ -23,6 +23,8 @@
 #            (2026-12-02, third session)
 #   policy   #16's candidate scheduling policy (from benchmarks/sched_sim.py) against the defaults, ~6 min
 #   next     decode step cost, disaggregated phases, decode's GIL switch interval A/B, ~5 min
+#   buckets  step cost by token count around the piecewise graphs' buckets; the switch interval A/B again, ~5 min
+#   policy2  after routing sizes to the fastest bucket: step costs, serve defaults vs prompt caps 512 / 384, ~8 min
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
@@ -397,6 +399,40 @@ suite_next() {
     span_phases disagg
     stack_row 1b-1024-w4-si5ms "$SMALL" 256 1024 4
     TANDEM_DECODE_SWITCH_INTERVAL_S=0.0005 stack_row 1b-1024-w4-si05ms "$SMALL" 256 1024 4
+}
+
+# 2026-12-02 (fourth session): the `policy` run's step costs put a 384-token chunk beside 1-16 decodes (a step of
+# 385-400 tokens, the 448-token graph) at 16.7-17.7 ms, as much as 512 beside them and 6 ms over 384 alone: the
+# step's cost by token count around the graphs' buckets, with graphs and eager, kernels of two shapes; then decode's
+# GIL switch interval twice more each way, interleaved (one run each on 12-02: 79% at 5 ms, 85% at 0.5 ms).
+suite_buckets() {
+    local sizes
+    sizes=$(n 256,320,384,400,416,432,448,464,480,512,576,640,768,896,1024 16,32)
+    step step-cost-8b-buckets 150 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" \
+        --prompt-tokens "$sizes" --decodes "$(n 0,16 0,2)" --context "$(n 1152 32)" --repeat "$(n 5 1)" \
+        --out "$OUT/step-cost-8b-buckets.json"
+    step step-cost-8b-buckets-eager 150 env TANDEM_PIECEWISE_GRAPHS=0 $PY -m tandem.benchmarks.step_cost \
+        --model "$BIG" --device "$DEVICE" --prompt-tokens "$sizes" --decodes "$(n 0,16 0,2)" \
+        --context "$(n 1152 32)" --repeat "$(n 5 1)" --out "$OUT/step-cost-8b-buckets-eager.json"
+    step step-cost-8b-kernels 120 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" --profile \
+        --prompt-tokens "$(n 384,432,448 16)" --decodes "$(n 0,16 0,2)" --context "$(n 1152 32)" --repeat "$(n 3 1)" \
+        --out "$OUT/step-cost-8b-kernels.json"
+    for i in 1 2; do
+        TANDEM_DECODE_SWITCH_INTERVAL_S=0.0005 stack_row "1b-1024-w4-si05ms-$i" "$SMALL" 256 1024 4
+        stack_row "1b-1024-w4-si5ms-$i" "$SMALL" 256 1024 4
+    done
+}
+
+# After `buckets`: each size replays the bucket measured fastest, and a continuing chunk is trimmed to end its step on
+# a size without padding. The step costs again (448 -> 512?), then the serve benchmark with the defaults and with
+# prompt tokens beside decodes capped at 512 and 384 (budget 2,048: the backlog lifts the cap under load). ~8 min.
+suite_policy2() {
+    step step-cost-8b-routed 150 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" \
+        --prompt-tokens "$(n 256,320,384,400,432,448,464,512,576,640,768,1024 16,32)" --decodes "$(n 0,16 0,2)" \
+        --context "$(n 1152 32)" --repeat "$(n 5 1)" --out "$OUT/step-cost-8b-routed.json"
+    serve_chunks routed-defaults "" 200
+    serve_chunks routed-cap512 "--prompt-tokens-while-decoding 512" 200
+    serve_chunks routed-cap384 "--prompt-tokens-while-decoding 384" 200
 }
 
 # One 32k prompt among 64 streams (#16), offline throughput with and without piecewise graphs (#16: not lower).

@@ -14,12 +14,20 @@ the prompt chunks' attention runs eagerly between the replays. Measured on an H2
 llama-3.1-8b shapes): an eager step with prompt tokens spent 12-28 ms on the host launching kernels, more than its
 GPU time up to ~1,000 tokens; with the pieces captured, the decode tokens' attention (a split kernel and its combine
 per layer) still cost ~7 ms of it.
+
+Both kinds time their graphs once captured and send each size to the cheapest bucket that holds it
+(`cheapest_buckets`): cuBLAS picks its GEMM by shape, and some shapes get a poor pick. On an H200 (llama-3.1-8b,
+benchmarks/results/h200-2026-12-02d/) the 448-token pieces took 15.7 ms against 13.0 for the 512-token ones: the
+gate/up projection ran a 512x64 tile at 0.27 ms a layer instead of a 168x128 one at 0.12 ms.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import logging
+import os
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +43,67 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 # and their copies made steps 3-8% slower than eager ones (2,064 tokens padded to 2,304: 56.7 vs 52.4 ms).
 TOKEN_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 224, 256, *range(320, 1025, 64))
 PIECEWISE_MAX_TOKENS = TOKEN_BUCKETS[-1]
+# "0": every size replays its own bucket, however slow (the A/B switch of the benchmarks).
+BUCKETS_BY_TIME_ENV = "TANDEM_GRAPH_BUCKETS_BY_TIME"
+# A larger bucket takes a size only if its replay is this much faster: timing noise does not add padding.
+_FASTER_BY = 0.97
+
+logger = logging.getLogger(__name__)
+
+
+def cheapest_buckets(buckets: Sequence[int], times_ms: Mapping[int, float]) -> dict[int, int]:
+    """For each bucket (ascending), the bucket at least as large to replay instead: the one whose replay measured
+    fastest, itself unless a larger one ran at least 3% faster."""
+    route: dict[int, int] = {}
+    best: int | None = None
+    for size in reversed(buckets):
+        if best is None or times_ms[best] >= _FASTER_BY * times_ms[size]:
+            best = size
+        route[size] = best
+    return route
+
+
+def time_replays(replays: Sequence[Callable[[], object]], repeat: int = 5) -> float:
+    """Median GPU milliseconds of one pass over `replays` (after one untimed pass)."""
+    for replay in replays:
+        replay()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for replay in replays:
+            replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class BucketRoute:
+    """Which captured bucket a size replays: the smallest that holds it, or a larger one measured faster."""
+
+    def __init__(self, buckets: Sequence[int]) -> None:
+        self.buckets = list(buckets)
+        self.times_ms: dict[int, float] = {}
+        self.route = {b: b for b in self.buckets}
+
+    def __call__(self, size: int) -> int:
+        return self.route[next(b for b in self.buckets if b >= size)]
+
+    def exact_sizes(self) -> tuple[int, ...]:
+        """The sizes that replay their own bucket: a step of exactly that many tokens needs no padding."""
+        return tuple(size for size in self.buckets if self.route[size] == size)
+
+    def measure(self, replays: Mapping[int, Sequence[Callable[[], object]]], what: str) -> None:
+        """Time every bucket's replays (the GPU idle, at start-up) and route by the times; logs what moved."""
+        if os.environ.get(BUCKETS_BY_TIME_ENV, "1") == "0":
+            return
+        self.times_ms = {size: time_replays(replays[size]) for size in self.buckets}
+        self.route = cheapest_buckets(self.buckets, self.times_ms)
+        moved = [f"{size} -> {to} ({self.times_ms[size]:.2f} -> {self.times_ms[to]:.2f} ms)"
+                 for size, to in self.route.items() if to != size]
+        if moved:
+            logger.info("%s: sizes replay a larger bucket measured faster: %s", what, ", ".join(moved))
 
 
 class DecodeGraphs:
@@ -43,6 +112,7 @@ class DecodeGraphs:
 
         self.runner = runner
         self.buckets = [b for b in BUCKETS if b <= max_batch_size] or [1]
+        self.bucket = BucketRoute(self.buckets)
         size = self.buckets[-1]
         device = runner.device
         # Padding rows: token 0 at position 0, slot -1 (store skipped), context 0 (zero output).
@@ -83,12 +153,14 @@ class DecodeGraphs:
                 self.pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(self.runner.device)
+        # The static inputs are padding rows here (slot -1, context 0): the timed replays store nothing.
+        self.bucket.measure({size: [graph.replay] for size, graph in self.graphs.items()}, "decode graphs")
 
     def run(self, inputs: DecodeInputs) -> torch.Tensor:
         """Replay the smallest graph that fits, with `inputs` (pinned host tensors, copied asynchronously
         straight into the static buffers; device tensors work too)."""
         num_seqs = inputs.input_ids.shape[0]
-        size = next(b for b in self.buckets if b >= num_seqs)
+        size = self.bucket(num_seqs)
         s = self.static
         s.input_ids[:num_seqs].copy_(inputs.input_ids, non_blocking=True)
         s.positions[:num_seqs].copy_(inputs.positions, non_blocking=True)
@@ -117,6 +189,7 @@ class PiecewiseGraphs:
         cfg = runner.config.model
         limit = min(max_tokens, PIECEWISE_MAX_TOKENS)
         self.buckets = [b for b in TOKEN_BUCKETS if b < limit] + [next(b for b in TOKEN_BUCKETS if b >= limit)]
+        self.bucket = BucketRoute(self.buckets)
         size = self.buckets[-1]
         self.decode_buckets = [b for b in BUCKETS if b <= min(max_decodes, size)]
         device, dtype = runner.device, runner.dtype
@@ -145,9 +218,6 @@ class PiecewiseGraphs:
 
     def can_run(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.buckets[-1]
-
-    def bucket(self, num_tokens: int) -> int:
-        return next(b for b in self.buckets if b >= num_tokens)
 
     def _piece(self, i: int, size: int) -> None:
         """Piece i over the first `size` rows of the static buffers, its results copied into them."""
@@ -200,6 +270,8 @@ class PiecewiseGraphs:
             self.graphs[size] = graphs
             self.replays[size] = [graph.replay for graph in graphs]
         torch.cuda.synchronize(device)
+        self.slot_mapping.fill_(-1)  # the timed replays store nothing
+        self.bucket.measure(self.replays, "piecewise graphs")
 
     def use_eager_pieces(self) -> None:
         """Run the pieces uncaptured over the same static buffers (any device): the plumbing without the graphs,

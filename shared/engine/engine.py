@@ -88,6 +88,8 @@ class Engine:
         prefix_key = self.runner.kv_cache.layout.fingerprint().encode() if config.cache.enable_prefix_caching else None
         self.scheduler = Scheduler(config.scheduler, self.block_pool, config.cache.block_size,
                                    config.model.eos_token_ids, prefix_key)
+        if self.runner.mixed_graphs is not None:
+            self.scheduler.step_sizes = self.runner.mixed_graphs.bucket.exact_sizes()
         self.requests: dict[str, Request] = {}
         self._seed_source = random.Random(config.seed)
         # Prefill role: called once per prefill step with its chunks (request, first token, number of tokens);

@@ -15,6 +15,11 @@ short (the stall-free batching of Sarathi-Serve: the decoding requests' inter-to
 step's), and the whole budget once more prompt tokens wait than BACKLOG_STEPS such steps would clear (throughput
 first when the queue builds).
 
+Step sizes: on a GPU a step with prompt tokens replays graphs captured for a few token counts, padded up to the next
+(`step_sizes`, set by the engine from the runner). When the step's last chunk stops short of its prompt's end anyway,
+it is trimmed to end the step on such a size if that drops fewer tokens than the padding would waste: they are
+computed next step instead of padding rows now.
+
 Prefix caching: on admission a request's full blocks are looked up by hash in the block pool; the cached prefix
 is shared (reference counted) and not computed again (its tokens count as computed), and every block that fills
 up with computed K/V is registered under its hash for later requests. At least the last token is always
@@ -23,6 +28,7 @@ computed (its logits give the next token).
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -107,6 +113,8 @@ class Scheduler:
         self.receiving: dict[str, Request] = {}
         # Prefill role: prefilled requests whose blocks are held until their pages are exported.
         self.prefilled: dict[str, Request] = {}
+        # Token counts a step with prompt tokens runs without padding (ascending; empty: any count, as on the CPU).
+        self.step_sizes: tuple[int, ...] = ()
 
     # -- queues -------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -181,12 +189,30 @@ class Scheduler:
         reserved: list[Request] = []
         if not preempted:  # a step that had to preempt admits nobody new
             self._admit(min(budget, prompt_budget), chunks, reserved)
+        if chunks and self.step_sizes:
+            self._fit_step_size(decodes, chunks)
         # Decode tokens first (one per request, then the verify runs of requests with proposals), then prompt chunks.
         scheduled = [d for d in decodes if d[1] == 1] + [d for d in decodes if d[1] > 1] + chunks
         if not scheduled and not preempted and not reserved:
             return None
         return SchedulerOutput(requests=[r for r, _ in scheduled], num_new_tokens=[n for _, n in scheduled],
                                preempted=preempted, reserved=reserved)
+
+    def _fit_step_size(self, decodes: list[tuple[Request, int]], chunks: list[tuple[Request, int]]) -> None:
+        """Trim the step's last chunk to end the step on one of `step_sizes` when its prompt continues next step
+        anyway and the trim is smaller than the padding up to the next size. (Its blocks stay allocated: the prompt
+        needs them next step.)"""
+        request, num_new = chunks[-1]
+        if request.num_computed_tokens + num_new >= request.num_tokens:
+            return  # the prompt's last chunk: trimming it would cost the request a step
+        sizes = self.step_sizes
+        total = sum(n for _, n in decodes) + sum(n for _, n in chunks)
+        above = bisect.bisect_left(sizes, total)
+        if above == 0 or above == len(sizes) or sizes[above] == total:
+            return  # below the smallest size, past the largest (no graphs: no padding), or exact
+        trim = total - sizes[above - 1]
+        if trim < num_new and trim < sizes[above] - total:
+            chunks[-1] = (request, num_new - trim)
 
     def _prompt_budget(self, budget: int) -> int:
         """Prompt tokens this step may compute: `prompt_tokens_while_decoding` when some running request decodes

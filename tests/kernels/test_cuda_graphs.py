@@ -179,6 +179,10 @@ def test_piecewise_graphs_give_the_eager_tokens() -> None:
         assert (runner.mixed_graphs is not None) == piecewise
         if piecewise:
             assert runner.mixed_graphs is not None and runner.mixed_graphs.buckets[-1] == 64
+            # Every bucket was timed at start-up; each size replays a bucket at least as large.
+            route = runner.mixed_graphs.bucket
+            assert set(route.times_ms) == set(route.buckets) and all(t > 0 for t in route.times_ms.values())
+            assert all(to >= size for size, to in route.route.items())
         outputs[piecewise] = [o.token_ids for o in llm.generate(prompts, params)]
         del llm
         torch.cuda.empty_cache()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.engine.cuda_graphs import TOKEN_BUCKETS, PiecewiseGraphs
+from tandem.engine.cuda_graphs import TOKEN_BUCKETS, PiecewiseGraphs, cheapest_buckets
 from tests.factories import hf_greedy, prompts_for, save_random_hf_model
 
 
@@ -101,3 +101,33 @@ def test_buckets_cover_the_budget(tmp_path: Path, max_tokens: int) -> None:
     assert pieces.can_run(min(max_tokens, TOKEN_BUCKETS[-1])) and not pieces.can_run(0)
     assert pieces.input_ids.shape[0] == pieces.buckets[-1]
     assert pieces.q.dtype == torch.float32
+
+
+def test_cheapest_buckets_take_a_larger_bucket_only_when_measured_faster() -> None:
+    buckets = [16, 32, 48, 64, 96]
+    # 48 replays slower than 64 (as cuBLAS's pick made the H200's 448 slower than its 512): 33-48 take 64.
+    route = cheapest_buckets(buckets, {16: 1.0, 32: 2.0, 48: 5.0, 64: 3.0, 96: 4.0})
+    assert route == {16: 16, 32: 32, 48: 64, 64: 64, 96: 96}
+    # Within 3% is noise: no padding added for it. A run of slow buckets all go to the first fast one past them.
+    assert cheapest_buckets(buckets, {16: 1.0, 32: 2.0, 48: 3.0, 64: 2.95, 96: 4.0})[48] == 48
+    assert cheapest_buckets(buckets, {16: 9.0, 32: 9.0, 48: 9.0, 64: 2.0, 96: 4.0}) == {
+        16: 64, 32: 64, 48: 64, 64: 64, 96: 96}
+    assert all(to >= size for size, to in cheapest_buckets(buckets, dict.fromkeys(buckets, 1.0)).items())
+
+
+def test_a_size_routed_to_a_larger_bucket_gives_the_same_tokens(tmp_path: Path) -> None:
+    """Steps that replay a larger bucket than the smallest that holds them (more padding rows) lose nothing."""
+    save_random_hf_model(tmp_path)
+    prompts = prompts_for(512, [70, 3, 45, 17, 33, 100])
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(tmp_path), max_model_len=256, max_num_batched_tokens=48, block_size=8)
+    pieced = LLM(str(tmp_path), max_model_len=256, max_num_batched_tokens=48, block_size=8)
+    runs = with_pieces(pieced, 48, max_decodes=4)
+    pieces = pieced.engine.runner.mixed_graphs
+    assert pieces is not None and pieces.buckets == [16, 32, 48]
+    pieces.bucket.route = cheapest_buckets(pieces.buckets, {16: 3.0, 32: 2.0, 48: 1.0})
+    for batch in (prompts, prompts_for(512, [20])):  # the second: a step of 20 tokens
+        expected = [o.token_ids for o in plain.generate(batch, params)]
+        assert [o.token_ids for o in pieced.generate(batch, params)] == expected
+    assert runs and {bucket for _, bucket, _ in runs} == {48}
+    assert any(tokens <= 32 for tokens, _, _ in runs), "a step of at most 32 tokens should have replayed 48"

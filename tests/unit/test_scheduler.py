@@ -140,15 +140,18 @@ def test_finish_frees_blocks_in_every_state() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(6, 24), chunked=st.booleans(),
-       budget=st.integers(1, 64), prompt_cap=st.integers(0, 12))
+       budget=st.integers(1, 64), prompt_cap=st.integers(0, 12),
+       step_sizes=st.sampled_from([(), (4, 8, 16), (3, 5, 12, 32)]))
 def test_random_mix_always_returns_every_block(seed: int, num_blocks: int, chunked: bool, budget: int,
-                                               prompt_cap: int) -> None:
+                                               prompt_cap: int, step_sizes: tuple[int, ...]) -> None:
     """Any mix of finishing, EOS-stopped, aborted and preempted requests, with prompts in chunks or whole (and
-    prompt tokens capped beside decodes), leaves the pool whole, and every request that is not aborted finishes."""
+    prompt tokens capped beside decodes, chunks trimmed to step sizes), leaves the pool whole, and every request
+    that is not aborted finishes."""
     rng = random.Random(seed)
     budget = budget if chunked else 64  # whole prompts need a budget that holds one
     scheduler = make_scheduler(num_blocks=num_blocks, max_num_seqs=4, budget=budget, chunked=chunked,
                                prompt_cap=prompt_cap)
+    scheduler.step_sizes = step_sizes
     live: list[Request] = []
     for step in range(60):
         if rng.random() < 0.4:
@@ -221,6 +224,32 @@ def test_prompt_tokens_beside_decodes_are_capped_until_the_queue_builds() -> Non
     idle.add(make_request("a", 30, max_tokens=2))
     first = idle.schedule()
     assert first is not None and first.num_new_tokens == [30]
+
+
+def step_tokens(scheduler: Scheduler) -> list[tuple[str, int]]:
+    output = scheduler.schedule()
+    assert output is not None
+    num_sampling = sum(output.samples(i) for i in range(len(output.requests)))
+    scheduler.update_from_output(output, [5] * num_sampling, [0.0] * num_sampling)
+    return list(zip([r.req_id for r in output.requests], output.num_new_tokens, strict=True))
+
+
+@pytest.mark.parametrize(("budget", "chunks"), [
+    (36, [31, 31, 31, 7]),  # 1 + 35 would pad to 48 (12 rows): 4 tokens trimmed, each step ends on 32
+    (44, [43, 43, 14]),  # padding 4 rows beats trimming 12 tokens
+    (40, [39, 39, 22]),  # a tie keeps the tokens
+    (64, [63, 37]),  # exact
+])
+def test_a_continuing_chunk_is_trimmed_to_a_step_size_when_that_beats_padding(budget: int, chunks: list[int]) -> None:
+    scheduler = make_scheduler(num_blocks=256, budget=budget, chunked=True)
+    scheduler.step_sizes = (16, 32, 48, 64)
+    scheduler.add(make_request("d", 3, max_tokens=100))
+    step_tokens(scheduler)
+    scheduler.add(make_request("p", 100, max_tokens=2))
+    seen = [step_tokens(scheduler) for _ in chunks]
+    assert [step[1] for step in seen] == [("p", n) for n in chunks]  # after d's decode token, every step
+    # The prompt's last chunk is never trimmed (that would cost it a step): it sampled its first token.
+    assert scheduler.running[-1].req_id == "p" and scheduler.running[-1].num_output_tokens == 1
 
 
 def test_budget_below_the_running_count_runs_as_many_decodes_as_fit() -> None:
