@@ -144,11 +144,10 @@ OFFLINE_BATCHED_TOKENS_CUDA = 16384
 # Without chunked prefill a whole prompt must fit one step.
 DEFAULT_BATCHED_TOKENS_UNCHUNKED = 8192
 # `SchedulerConfig.prompt_tokens_while_decoding`, prompt tokens a step may carry beside decode tokens while the queue
-# is short, is 0 (no cap) by default on every device. Measured on an H200 (llama-3.1-8b, 1,024/256 tokens at 2
-# req/s, piecewise graphs on; benchmarks/results/h200-2026-12-02/): no cap: TTFT p50 35.6 ms, ITL p99 10.3 ms; a cap
-# of 512: 41.8 / 17.1 ms; of 384: 53.8 / 17.3 ms. A 1,024-token prompt then takes 2-3 steps that were not much
-# shorter (16 ms for 512 prompt tokens beside ~3 decodes, against 12.8 ms alone: our reading is the GEMMs' rows padded
-# past a tile). Left as an option for experiments.
+# is short, is 0 (no cap) by default on every device. Measured on an H200 (llama-3.1-8b, 1,024/256 tokens, 2-48
+# req/s; benchmarks/results/h200-2026-12-02d/): a cap of 512 holds ITL p99 within 2.0-2.4x TPOT p50 at 2-16 req/s
+# (the defaults: 2.1-4.0x) at equal goodput, but costs 35% of the goodput at 32 req/s: an option for latency-bound
+# deployments at moderate load, not the default.
 # The cap is lifted while more prompt tokens wait than this many capped steps would clear (throughput first when the
 # queue builds).
 BACKLOG_STEPS = 8
