@@ -161,7 +161,8 @@ class KVPuller:
                     first = message.first_token
 
                     def activate(e: Engine, token_id: int = first.token_id, logprob: float = first.logprob) -> None:
-                        engine.publish(e.activate(req_id, token_id, logprob))
+                        for activated in e.activate(req_id, token_id, logprob):  # with those that waited for it
+                            engine.publish(activated)
 
                     await engine.call(activate)
                     if target is not None:

@@ -332,14 +332,28 @@ class Engine:
         assert len(block_ids) == k.shape[0], "pages past the reserved blocks"
         self.runner.kv_cache.write_blocks(layer, block_ids, k, v)
 
-    def activate(self, req_id: str, first_token_id: int, logprob: float) -> Request:
-        """The prompt's pages are in place and its first token known: join the running batch."""
+    def activate(self, req_id: str, first_token_id: int, logprob: float) -> list[Request]:
+        """The prompt's pages are in place and its first token known: join the running batch. A request that
+        shares blocks still in flight for others waits for them (it joins when they do: all are returned), or
+        computes its prompt here if one of them failed. Returns the requests that joined (to publish)."""
         request = self.requests[req_id]
-        self.scheduler.activate(request)
-        self.scheduler.append_token(request, first_token_id, logprob)
-        if request.status.is_finished:
-            self.requests.pop(request.req_id, None)
-        return request
+        if request.shared_prefix_failed:
+            self.scheduler.prefill_locally(request, "shared_prefix_failed")
+            return []
+        if request.waits_for:
+            request.landed = (first_token_id, logprob)
+            return []
+        activated = []
+        ready = [(request, first_token_id, logprob)]
+        while ready:
+            request, token_id, logprob = ready.pop()
+            self.scheduler.activate(request)
+            self.scheduler.append_token(request, token_id, logprob)
+            if request.status.is_finished:
+                self.requests.pop(request.req_id, None)
+            activated.append(request)
+            ready += [(r, *r.landed) for r in self.scheduler.released_by(request) if r.landed is not None]
+        return activated
 
     def prefill_locally(self, req_id: str, reason: str) -> None:
         """The remote prefill of a reserved request failed: compute its prompt here (counted under `reason`)."""

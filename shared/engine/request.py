@@ -90,6 +90,15 @@ class Request:
     local_prefill_reason: str = "local"
     # Prompt tokens this engine computed for the request, by reason (not those received from a prefill worker).
     local_prefill_tokens: dict[str, int] = field(default_factory=dict)
+    # Decode role, prefix blocks in flight (`Scheduler.pending`): the reserved requests whose blocks this one shares
+    # before their pages have landed (it activates after them), the requests sharing its blocks, its own first
+    # token while it waits for those, whether one of those failed (its prompt is then computed here), and the hashes
+    # it registered as pending.
+    waits_for: set[str] = field(default_factory=set)
+    dependents: list[str] = field(default_factory=list)
+    landed: tuple[int, float] | None = None
+    shared_prefix_failed: bool = False
+    pending_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def num_local_prefill_tokens(self) -> int:

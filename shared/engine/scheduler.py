@@ -47,6 +47,11 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 # H200: a 32k-token prompt in 2,048-token chunks kept 64 decoding streams' ITL p99 at 144 ms, in 512-token chunks at
 # 60 ms; benchmarks/results/h200-2026-12-01/long-prompt-*.json), so chunks over longer contexts shrink in proportion.
 LONG_CONTEXT_TOKENS = 8192
+# A reservation shares blocks still in flight only when they are at least this share of its prompt's blocks: it
+# then waits for their owners' whole transfers, which a short shared head (a chat template's system header) does not
+# repay. On the H200 (benchmarks/results/h200-2026-12-02d/5-prefix/) the random-prompt workload, whose 16 concurrent
+# prompts share one such block, ran at 0.83x the throughput of the cache off when every sharer waited for the first.
+MIN_IN_FLIGHT_SHARE = 0.5
 
 
 def chunk_limit(budget: int, context: int) -> int:
@@ -115,6 +120,10 @@ class Scheduler:
         self.prefilled: dict[str, Request] = {}
         # Token counts a step with prompt tokens runs without padding (ascending; empty: any count, as on the CPU).
         self.step_sizes: tuple[int, ...] = ()
+        # Decode role: full prompt blocks of reserved requests whose pages have not landed, by hash -> (block, owner).
+        # A later reservation shares them after its cached hits, so its prefix is neither computed nor shipped
+        # again; it activates only after their owners.
+        self.pending: dict[BlockHash, tuple[int, str]] = {}
 
     # -- queues -------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -131,7 +140,9 @@ class Scheduler:
     # -- remote prefill (decode role) ----------------------------------------------------------
     def activate(self, request: Request) -> None:
         """The pages have landed and the first token is known: the request joins the running batch (and its full
-        blocks, now computed, join the prefix cache)."""
+        blocks, now computed, join the prefix cache). Not before every request it waits for (`waits_for`)."""
+        assert not request.waits_for and not request.shared_prefix_failed, "activated before the blocks it shares"
+        self._drop_pending(request)
         del self.receiving[request.req_id]
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = request.num_prefill_tokens = request.num_tokens
@@ -140,7 +151,8 @@ class Scheduler:
 
     def prefill_locally(self, request: Request, reason: str) -> None:
         """A reserved request whose transfer failed: free its blocks and compute its prompt here, first in line
-        (it was admitted before everything still waiting)."""
+        (it was admitted before everything still waiting). Those sharing its blocks fail with it."""
+        self._drop_pending(request)
         del self.receiving[request.req_id]
         self.block_pool.free(request.block_ids)
         request.block_ids = []
@@ -148,7 +160,44 @@ class Scheduler:
         request.remote_prefill = False
         request.local_prefill_reason = reason
         request.status = RequestStatus.WAITING
+        request.waits_for.clear()
+        request.landed = None
+        request.shared_prefix_failed = False
         self.waiting.appendleft(request)
+        self._fail_dependents(request)
+
+    def released_by(self, request: Request) -> list[Request]:
+        """After `request` activated: those sharing its blocks that waited only for it, their own pages landed
+        (activate them next, with `landed`)."""
+        ready = []
+        for req_id in request.dependents:
+            dependent = self.receiving.get(req_id)
+            if dependent is None or request.req_id not in dependent.waits_for:
+                continue
+            dependent.waits_for.discard(request.req_id)
+            if not dependent.waits_for and dependent.landed is not None and not dependent.shared_prefix_failed:
+                ready.append(dependent)
+        request.dependents = []
+        return ready
+
+    def _fail_dependents(self, request: Request) -> None:
+        """`request` will not deliver the blocks others share (its transfer failed, or it ended): each of them
+        computes its prompt here, at once if its own pages have landed, else when they do (never earlier: a
+        cuda-ipc peer may still be writing into its blocks)."""
+        for req_id in request.dependents:
+            dependent = self.receiving.get(req_id)
+            if dependent is None or request.req_id not in dependent.waits_for:
+                continue
+            dependent.shared_prefix_failed = True
+            if dependent.landed is not None:
+                self.prefill_locally(dependent, "shared_prefix_failed")
+        request.dependents = []
+
+    def _drop_pending(self, request: Request) -> None:
+        for block_hash in request.pending_hashes:
+            if self.pending.get(block_hash, (0, ""))[1] == request.req_id:
+                del self.pending[block_hash]
+        request.pending_hashes = []
 
     # -- scheduling ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
@@ -284,15 +333,43 @@ class Scheduler:
 
     def _reserve(self, request: Request, hits: list[int], headroom: int = 0) -> bool:
         """Reserve the blocks of the request at the head of the queue, whose pages a remote worker computes (after
-        the `hits` cached here); False when the pool would keep fewer than `headroom` blocks free."""
-        num_blocks = num_blocks_for(request.num_tokens, self.block_size) - len(hits)
+        the `hits` cached here, and the blocks in flight it can share); False when the pool would keep fewer than
+        `headroom` blocks free. Its own full prompt blocks become pending for later reservations."""
+        shared, owners = self._find_pending(request, len(hits))
+        num_blocks = num_blocks_for(request.num_tokens, self.block_size) - len(hits) - len(shared)
         if not self.block_pool.can_allocate(num_blocks + headroom, hits):
             return False
         self.waiting.popleft()
-        self._take(request, hits, num_blocks)
+        self._take(request, hits + shared, num_blocks)
         request.status = RequestStatus.WAITING_FOR_KV
         self.receiving[request.req_id] = request
+        request.waits_for = owners
+        for owner in owners:
+            self.receiving[owner].dependents.append(request.req_id)
+        if self.prefix_key is not None:
+            num_full = request.num_tokens // self.block_size
+            hashes = self._hashes(request, num_full)
+            for i in range(len(hits) + len(shared), num_full):
+                if self.pending.setdefault(hashes[i], (request.block_ids[i], request.req_id))[1] == request.req_id:
+                    request.pending_hashes.append(hashes[i])
         return True
+
+    def _find_pending(self, request: Request, start: int) -> tuple[list[int], set[str]]:
+        """The pending blocks that continue the request's prefix past its `start` cached blocks (leaving its last
+        token to compute), and their owners; none unless they are MIN_IN_FLIGHT_SHARE of its blocks."""
+        if not self.pending:
+            return [], set()
+        shared: list[int] = []
+        owners: set[str] = set()
+        for block_hash in self._hashes(request, (request.num_tokens - 1) // self.block_size)[start:]:
+            entry = self.pending.get(block_hash)
+            if entry is None:
+                break
+            shared.append(entry[0])
+            owners.add(entry[1])
+        if len(shared) < MIN_IN_FLIGHT_SHARE * num_blocks_for(request.num_tokens, self.block_size):
+            return [], set()
+        return shared, owners
 
     def reserve_waiting(self) -> list[Request]:
         """Decode role, between steps: reserve now what the next step's admission would, for the remote-prefill
@@ -502,7 +579,9 @@ class Scheduler:
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_KV:
+            self._drop_pending(request)
             del self.receiving[request.req_id]
+            self._fail_dependents(request)
         elif request.status is RequestStatus.PREFILLED:
             del self.prefilled[request.req_id]
         elif request.status.is_finished:

@@ -4,7 +4,10 @@ holds whole needs no prefill worker; a prefix only the prefill worker holds is s
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+
+import pytest
 
 from tandem.serving import metrics
 from tandem.serving.rpc import make_channel
@@ -70,3 +73,22 @@ async def test_a_prefix_cached_only_on_the_prefill_worker_is_shipped(workers: tu
     assert (local, cached) == (0, 0)
     assert metrics.PREFILL_PROMPT_TOKENS._value.get() - prefill_tokens == 3  # only the new tail was computed
     assert tokens == reference_tokens(model_folder, [second])[0]
+
+
+async def test_concurrent_requests_share_a_prefix_in_flight(workers: tuple[Worker, Worker],
+                                                            model_folder: Path) -> None:
+    """Two requests with the same prefix at once: the second is reserved while the first's pages are on their way,
+    shares those blocks (counted as cached) and receives only its tail; both give the reference tokens."""
+    prefill, decode = workers
+    other, prefix = prompts_for(509, [40, 40])  # a prefix of 10 blocks, and one nobody else uses
+    before = _bytes()
+    await _generate(decode, decode_request("f0", other + [21, 22, 23], prefill.address))
+    eleven_blocks = _bytes() - before
+    prompts = [prefix + [21, 22, 23], prefix + [31, 32, 33, 34, 35]]  # 11 and 12 blocks, 10 of them shared
+    before = _bytes()
+    results = await asyncio.gather(*(_generate(decode, decode_request(f"f{i + 1}", p, prefill.address))
+                                     for i, p in enumerate(prompts)))
+    assert sorted(cached for _, _, cached in results) == [0, 40]
+    assert all(local == 0 for _, local, _ in results)
+    assert _bytes() - before == pytest.approx(eleven_blocks * 13 / 11)  # 11 + 2 blocks travelled, not 11 + 12
+    assert [tokens for tokens, _, _ in results] == reference_tokens(model_folder, prompts)
