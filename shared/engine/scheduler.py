@@ -47,11 +47,6 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 # H200: a 32k-token prompt in 2,048-token chunks kept 64 decoding streams' ITL p99 at 144 ms, in 512-token chunks at
 # 60 ms; benchmarks/results/h200-2026-12-01/long-prompt-*.json), so chunks over longer contexts shrink in proportion.
 LONG_CONTEXT_TOKENS = 8192
-# A reservation shares blocks still in flight only when they are at least this share of its prompt's blocks: it
-# then waits for their owners' whole transfers, which a short shared head (a chat template's system header) does not
-# repay. On the H200 (benchmarks/results/h200-2026-12-02d/5-prefix/) the random-prompt workload, whose 16 concurrent
-# prompts share one such block, ran at 0.83x the throughput of the cache off when every sharer waited for the first.
-MIN_IN_FLIGHT_SHARE = 0.5
 
 
 def chunk_limit(budget: int, context: int) -> int:
@@ -356,7 +351,7 @@ class Scheduler:
 
     def _find_pending(self, request: Request, start: int) -> tuple[list[int], set[str]]:
         """The pending blocks that continue the request's prefix past its `start` cached blocks (leaving its last
-        token to compute), and their owners; none unless they are MIN_IN_FLIGHT_SHARE of its blocks."""
+        token to compute), and their owners."""
         if not self.pending:
             return [], set()
         shared: list[int] = []
@@ -367,8 +362,6 @@ class Scheduler:
                 break
             shared.append(entry[0])
             owners.add(entry[1])
-        if len(shared) < MIN_IN_FLIGHT_SHARE * num_blocks_for(request.num_tokens, self.block_size):
-            return [], set()
         return shared, owners
 
     def reserve_waiting(self) -> list[Request]:

@@ -139,20 +139,6 @@ def test_a_sharer_computes_its_prompt_here_when_the_owner_fails(model: tuple[Pat
     decode.block_pool.check_integrity()
 
 
-def test_a_short_shared_head_is_not_worth_waiting_for(model: tuple[Path, object]) -> None:
-    """Prompts that share only a block or two (a chat template's header) receive their own pages and wait for
-    nobody: waiting for another request's whole transfer would cost more than the blocks save."""
-    path, _ = model
-    _, decode = engines(path)
-    head = prompts_for(512, [8])[0]
-    first, second = (head + tail for tail in prompts_for(300, [40, 45]))
-    a = decode.add_request("a", first, PARAMS, remote_prefill=True)
-    b = decode.add_request("b", second, PARAMS, remote_prefill=True)
-    assert decode.step().reserved == [a, b]
-    assert b.num_cached_tokens == 0 and not b.waits_for and not a.dependents
-    assert set(a.block_ids).isdisjoint(b.block_ids)
-
-
 def test_without_the_prefix_cache_nothing_is_shared(model: tuple[Path, object]) -> None:
     path, _ = model
     config = EngineConfig.create(load_model_config(str(path)), max_model_len=128, block_size=BLOCK,
