@@ -92,11 +92,18 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def simulate(cost: Callable[[int, int], float], rate: float, num_requests: int, prompt_len: int, output_len: int,
-             config: SchedulerConfig, overhead_ms: float, seed: int, vocab: int = 32000) -> dict[str, Any]:
-    """One serve run at `rate` req/s; times in seconds of simulated clock."""
+             config: SchedulerConfig, overhead_ms: float, seed: int, vocab: int = 32000,
+             step_sizes: tuple[int, ...] = (), cap_max_wait_s: float = 0.0, cap_lift: int = 0) -> dict[str, Any]:
+    """One serve run at `rate` req/s; times in seconds of simulated clock. `step_sizes`: the GPU runner's sizes
+    without padding (the scheduler trims chunks to them); `cap_max_wait_s`: the scheduler's experiment of that name."""
     rng = random.Random(seed)
     scheduler = Scheduler(config, BlockPool(num_requests * -(-(prompt_len + output_len) // BLOCK_SIZE) + 1),
                           BLOCK_SIZE, ())
+    scheduler.step_sizes = step_sizes
+    scheduler.cap_max_wait_s = cap_max_wait_s
+    scheduler.cap_lift = cap_lift
+    clock = 0.0
+    scheduler.clock = lambda: clock
     arrivals: list[float] = []
     t = 0.0
     for _ in range(num_requests):
@@ -104,10 +111,10 @@ def simulate(cost: Callable[[int, int], float], rate: float, num_requests: int, 
         t += rng.expovariate(rate)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     requests = [Request(req_id=f"r{i}", prompt_token_ids=[rng.randrange(vocab) for _ in range(prompt_len)],
-                        params=params, seed=0) for i in range(num_requests)]
+                        params=params, seed=0, arrival_time=arrivals[i]) for i in range(num_requests)]
     token_times: list[list[float]] = [[] for _ in range(num_requests)]
     index = {r.req_id: i for i, r in enumerate(requests)}
-    clock, next_arrival, done, steps = 0.0, 0, 0, 0
+    next_arrival, done, steps = 0, 0, 0
     while done < num_requests:
         while next_arrival < num_requests and arrivals[next_arrival] <= clock:
             scheduler.add(requests[next_arrival])
@@ -156,6 +163,13 @@ def main() -> None:
     parser.add_argument("--backlog-steps", type=int, default=None,
                         help="with a cap: capped steps' worth of waiting prompt tokens past which a step takes the "
                              "whole budget (default: the scheduler's BACKLOG_STEPS)")
+    parser.add_argument("--step-sizes", default="",
+                        help="token counts a step runs without padding (comma-separated; the GPU runner's graph "
+                             "buckets that replay themselves): chunks are trimmed to them as on the GPU")
+    parser.add_argument("--cap-max-wait-ms", type=float, default=0.0,
+                        help="with a cap: lift it once a prompt has waited this long (0: off)")
+    parser.add_argument("--cap-lift", type=int, default=0,
+                        help="with a cap: the prompt tokens a lifted cap allows (0: the whole budget)")
     parser.add_argument("--seeds", type=int, default=3, help="runs per rate (medians reported)")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", type=Path)
@@ -170,8 +184,11 @@ def main() -> None:
                              prompt_tokens_while_decoding=args.prompt_tokens_while_decoding)
     results = []
     for rate in (float(r) for r in args.rates.split(",")):
+        step_sizes = tuple(int(x) for x in args.step_sizes.split(",") if x)
         runs = [simulate(cost.ms, rate, args.num_requests, args.prompt_len, args.output_len, config,
-                         args.overhead_ms, seed) for seed in range(args.seeds)]
+                         args.overhead_ms, seed, step_sizes=step_sizes, cap_max_wait_s=args.cap_max_wait_ms / 1e3,
+                         cap_lift=args.cap_lift)
+                for seed in range(args.seeds)]
 
         def med(key: str, q: str, runs: list[dict[str, Any]] = runs) -> float:
             return statistics.median(r[key][q] for r in runs)

@@ -25,6 +25,7 @@
 #   next     decode step cost, disaggregated phases, decode's GIL switch interval A/B, ~5 min
 #   buckets  step cost by token count around the piecewise graphs' buckets; the switch interval A/B again, ~5 min
 #   policy2  after routing sizes to the fastest bucket: step costs, serve defaults vs prompt caps 512 / 384, ~8 min
+#   policy3  the prompt cap lifted after a 50 ms wait (to 896 tokens or the whole budget) vs the defaults, ~7 min
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
@@ -433,6 +434,16 @@ suite_policy2() {
     serve_chunks routed-defaults "" 200
     serve_chunks routed-cap512 "--prompt-tokens-while-decoding 512" 200
     serve_chunks routed-cap384 "--prompt-tokens-while-decoding 384" 200
+}
+
+# For the next session: the prompt-cap experiments picked in `benchmarks/sched_sim.py` with the step costs of 12-02
+# (cap 512; once a prompt has waited 50 ms the cap is lifted, to 896 prompt tokens or to the whole budget) against the
+# defaults, same lease. ~7 min.
+suite_policy3() {
+    serve_chunks policy3-defaults "" 200
+    TANDEM_PROMPT_CAP_MAX_WAIT_MS=50 TANDEM_PROMPT_CAP_LIFT=896 \
+        serve_chunks policy3-cap512-wait50-lift896 "--prompt-tokens-while-decoding 512" 200
+    TANDEM_PROMPT_CAP_MAX_WAIT_MS=50 serve_chunks policy3-cap512-wait50 "--prompt-tokens-while-decoding 512" 200
 }
 
 # One 32k prompt among 64 streams (#16), offline throughput with and without piecewise graphs (#16: not lower).

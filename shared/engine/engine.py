@@ -15,6 +15,7 @@ One engine serves every role:
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.common.config import EngineConfig, KVLayout, ModelConfig
+from tandem.common.config import ConfigError, EngineConfig, KVLayout, ModelConfig
 from tandem.common.errors import InvalidRequestError
 from tandem.common.sampling_params import SamplingParams
 from tandem.common.validation import validate_prompt
@@ -33,6 +34,24 @@ from tandem.engine.request import KVMirror, Request, RequestStatus
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, num_blocks_for
 from tandem.engine.spec_decode import SpeculativeConfig
+
+# With a prompt cap (`prompt_tokens_while_decoding`): lift it once a prompt has waited this many milliseconds, and
+# to this many prompt tokens rather than the whole budget (experiments: docs/architecture.md).
+CAP_MAX_WAIT_ENV = "TANDEM_PROMPT_CAP_MAX_WAIT_MS"
+CAP_LIFT_ENV = "TANDEM_PROMPT_CAP_LIFT"
+
+
+def _env_number(name: str, default: float) -> float:
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a number") from None
+    if number < 0:
+        raise ConfigError(f"{name}={value!r} must be at least 0")
+    return number
 
 
 @dataclass
@@ -90,6 +109,9 @@ class Engine:
                                    config.model.eos_token_ids, prefix_key)
         if self.runner.mixed_graphs is not None:
             self.scheduler.step_sizes = self.runner.mixed_graphs.bucket.exact_sizes()
+        # Experiments with the prompt cap (docs/architecture.md, benchmarks/sched_sim.py), not served settings.
+        self.scheduler.cap_max_wait_s = _env_number(CAP_MAX_WAIT_ENV, 0.0) / 1e3
+        self.scheduler.cap_lift = int(_env_number(CAP_LIFT_ENV, 0))
         self.requests: dict[str, Request] = {}
         self._seed_source = random.Random(config.seed)
         # Prefill role: called once per prefill step with its chunks (request, first token, number of tokens);

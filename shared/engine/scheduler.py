@@ -29,8 +29,9 @@ computed (its logits give the next token).
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tandem.common.config import BACKLOG_STEPS, SchedulerConfig
@@ -115,6 +116,11 @@ class Scheduler:
         self.prefilled: dict[str, Request] = {}
         # Token counts a step with prompt tokens runs without padding (ascending; empty: any count, as on the CPU).
         self.step_sizes: tuple[int, ...] = ()
+        # An experiment (benchmarks/sched_sim.py): the prompt cap is also lifted once a prompt not yet computed has
+        # waited this long since its arrival (0: off); `clock` is what arrival times are read against.
+        self.cap_max_wait_s = 0.0
+        self.cap_lift = 0  # what a lifted cap allows (0: the whole budget)
+        self.clock: Callable[[], float] = time.monotonic
         # Decode role: full prompt blocks of reserved requests whose pages have not landed, by hash -> (block, owner).
         # A later reservation shares them after its cached hits, so its prefix is neither computed nor shipped
         # again; it activates only after their owners.
@@ -260,16 +266,23 @@ class Scheduler:
 
     def _prompt_budget(self, budget: int) -> int:
         """Prompt tokens this step may compute: `prompt_tokens_while_decoding` when some running request decodes
-        and the queue is short, else the whole budget."""
+        and the queue is short (and, with `cap_max_wait_s`, no prompt has waited longer than that), else the whole
+        budget."""
         cap = self.config.prompt_tokens_while_decoding
         if not cap or cap >= budget or all(r.is_prefilling for r in self.running):
             return budget
+        lifted = min(budget, self.cap_lift) if self.cap_lift else budget
         backlog = 0
+        oldest = None
         for request in (*self.running, *self.waiting):
             if request.is_prefilling or (request.status == RequestStatus.WAITING and not request.remote_prefill):
                 backlog += request.num_tokens - request.num_computed_tokens
                 if backlog > BACKLOG_STEPS * cap:
-                    return budget
+                    return lifted
+                if oldest is None or request.arrival_time < oldest:
+                    oldest = request.arrival_time
+        if self.cap_max_wait_s and oldest is not None and self.clock() - oldest > self.cap_max_wait_s:
+            return lifted
         return cap
 
     def _grow(self, request: Request, num_new: int, index: int, preempted: list[Request]) -> bool:

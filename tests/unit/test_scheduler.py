@@ -226,6 +226,41 @@ def test_prompt_tokens_beside_decodes_are_capped_until_the_queue_builds() -> Non
     assert first is not None and first.num_new_tokens == [30]
 
 
+def test_a_prompt_that_waited_lifts_the_cap_to_the_lifted_size() -> None:
+    """The cap experiments: past `cap_max_wait_s` since the oldest prompt's arrival the cap is lifted, to `cap_lift`
+    prompt tokens when set (else to the whole budget)."""
+    scheduler = make_scheduler(num_blocks=256, budget=64, chunked=True, prompt_cap=8, max_num_seqs=16)
+    now = 100.0
+    scheduler.clock = lambda: now
+    scheduler.cap_max_wait_s = 0.05
+    scheduler.cap_lift = 24
+    decoding = make_request("d", 3, max_tokens=100)
+    scheduler.add(decoding)
+    run_step(scheduler)
+    waiting = make_request("p", 60, max_tokens=2)
+    waiting.arrival_time = now
+    scheduler.add(waiting)
+    assert step_tokens(scheduler) == [("d", 1), ("p", 8)]  # a short queue, a fresh prompt: capped
+    now += 0.06
+    assert step_tokens(scheduler) == [("d", 1), ("p", 24)]  # waited 60 ms: lifted to 24, not to 63
+    scheduler.cap_lift = 0
+    assert step_tokens(scheduler) == [("d", 1), ("p", 60 - 32)]  # the whole budget (what is left of the prompt)
+
+
+def test_the_cap_experiments_are_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.common.config import ConfigError
+    from tandem.engine.engine import CAP_LIFT_ENV, CAP_MAX_WAIT_ENV, _env_number
+
+    monkeypatch.setenv(CAP_MAX_WAIT_ENV, "50")
+    assert _env_number(CAP_MAX_WAIT_ENV, 0.0) == 50.0
+    monkeypatch.setenv(CAP_LIFT_ENV, "many")
+    with pytest.raises(ConfigError, match=CAP_LIFT_ENV):
+        _env_number(CAP_LIFT_ENV, 0)
+    monkeypatch.setenv(CAP_LIFT_ENV, "-1")
+    with pytest.raises(ConfigError, match="at least 0"):
+        _env_number(CAP_LIFT_ENV, 0)
+
+
 def step_tokens(scheduler: Scheduler) -> list[tuple[str, int]]:
     output = scheduler.schedule()
     assert output is not None
