@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 # Release: how often to ask a peer to confirm it stopped writing, and how long each ask may take.
 _RELEASE_ATTEMPTS = 10
 _RELEASE_TIMEOUT_S = 5.0
+# A request whose pages have landed but that shares blocks still in flight for others waits at most this long for
+# them, then computes its prompt here (a stalled transfer of another request must not hold it). Those transfers come
+# from the same batch of the prefill worker as a rule: milliseconds apart.
+SHARED_PREFIX_MAX_WAIT_S = 1.0
 
 
 @dataclass
@@ -160,11 +164,16 @@ class KVPuller:
                     peer_may_write = False
                     first = message.first_token
 
-                    def activate(e: Engine, token_id: int = first.token_id, logprob: float = first.logprob) -> None:
-                        for activated in e.activate(req_id, token_id, logprob):  # with those that waited for it
-                            engine.publish(activated)
+                    def activate(e: Engine, token_id: int = first.token_id, logprob: float = first.logprob) -> bool:
+                        activated = e.activate(req_id, token_id, logprob)  # with those that waited for it
+                        for request_done in activated:
+                            engine.publish(request_done)
+                        return any(r.req_id == req_id for r in activated)
 
-                    await engine.call(activate)
+                    if not await engine.call(activate):
+                        # It waits for requests whose blocks it shares (or computes its prompt here): bounded.
+                        asyncio.get_running_loop().call_later(
+                            SHARED_PREFIX_MAX_WAIT_S, engine.post, lambda e: e.expire_shared_wait(req_id))
                     if target is not None:
                         peer.has_handle = True
                         num_cached_blocks = request.num_cached_tokens // layout.block_size
@@ -196,6 +205,7 @@ class KVPuller:
             else:
                 raise typed if typed is not None else error from None  # ends the request (e.g. INVALID_ARGUMENT)
             metrics.KV_TRANSFER_FAILURES.inc()
+            engine.post(lambda e: e.withdraw(req_id))  # nobody new shares its blocks; sharers fail over now
             if peer_may_write:  # the blocks are reused for the local prefill: the writer must have stopped
                 await self._stop_writer(req_id, address)
                 peer_may_write = False
@@ -206,6 +216,7 @@ class KVPuller:
             if peer_may_write:
                 # Stopped mid-transfer (failed or cancelled): the blocks stay held until the writer has stopped.
                 self.quarantined.add(req_id)
+                engine.post(lambda e: e.withdraw(req_id))
                 asyncio.get_running_loop().create_task(self._release(req_id, address))
 
     async def _stop_writer(self, req_id: str, address: str) -> None:

@@ -15,6 +15,7 @@ One engine serves every role:
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -41,16 +42,16 @@ CAP_MAX_WAIT_ENV = "TANDEM_PROMPT_CAP_MAX_WAIT_MS"
 CAP_LIFT_ENV = "TANDEM_PROMPT_CAP_LIFT"
 
 
-def _env_number(name: str, default: float) -> float:
+def _env_number(name: str, default: float, kind: type[int] | type[float] = float) -> float:
     value = os.environ.get(name, "")
     if not value:
         return default
     try:
-        number = float(value)
+        number = kind(value)
     except ValueError:
-        raise ConfigError(f"{name}={value!r} is not a number") from None
-    if number < 0:
-        raise ConfigError(f"{name}={value!r} must be at least 0")
+        raise ConfigError(f"{name}={value!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not math.isfinite(number) or number < 0:
+        raise ConfigError(f"{name}={value!r} must be a finite number, at least 0")
     return number
 
 
@@ -111,7 +112,7 @@ class Engine:
             self.scheduler.step_sizes = self.runner.mixed_graphs.bucket.exact_sizes()
         # Experiments with the prompt cap (docs/architecture.md, benchmarks/sched_sim.py), not served settings.
         self.scheduler.cap_max_wait_s = _env_number(CAP_MAX_WAIT_ENV, 0.0) / 1e3
-        self.scheduler.cap_lift = int(_env_number(CAP_LIFT_ENV, 0))
+        self.scheduler.cap_lift = int(_env_number(CAP_LIFT_ENV, 0, int))
         self.requests: dict[str, Request] = {}
         self._seed_source = random.Random(config.seed)
         # Prefill role: called once per prefill step with its chunks (request, first token, number of tokens);
@@ -376,6 +377,20 @@ class Engine:
             activated.append(request)
             ready += [(r, *r.landed) for r in self.scheduler.released_by(request) if r.landed is not None]
         return activated
+
+    def withdraw(self, req_id: str) -> None:
+        """The remote prefill of a reserved request is failing (its writer may still be stopping): no later request
+        shares its blocks, and those sharing them compute their prompts here once their own pages are in."""
+        request = self.requests.get(req_id)
+        if request is not None and request.status is RequestStatus.WAITING_FOR_KV:
+            self.scheduler.withdraw(request)
+
+    def expire_shared_wait(self, req_id: str) -> None:
+        """A request whose pages have landed still waits for those whose blocks it shares: compute its prompt here
+        instead (its own transfer is done; the blocks it shared stay with their owners)."""
+        request = self.requests.get(req_id)
+        if request is not None and request.status is RequestStatus.WAITING_FOR_KV and request.landed is not None:
+            self.scheduler.prefill_locally(request, "shared_prefix_wait")
 
     def prefill_locally(self, req_id: str, reason: str) -> None:
         """The remote prefill of a reserved request failed: compute its prompt here (counted under `reason`)."""

@@ -181,17 +181,26 @@ class Scheduler:
         request.dependents = []
         return ready
 
+    def withdraw(self, request: Request) -> None:
+        """A reserved request's transfer is failing (its writer may still be stopping): nobody new shares its
+        blocks, and those sharing them fail over now (see `_fail_dependents`)."""
+        self._drop_pending(request)
+        self._fail_dependents(request)
+
     def _fail_dependents(self, request: Request) -> None:
         """`request` will not deliver the blocks others share (its transfer failed, or it ended): each of them
         computes its prompt here, at once if its own pages have landed, else when they do (never earlier: a
-        cuda-ipc peer may still be writing into its blocks)."""
+        cuda-ipc peer may still be writing into its blocks). A sharer that will fail shares its own blocks with
+        nobody new, and fails those already sharing them."""
         for req_id in request.dependents:
             dependent = self.receiving.get(req_id)
-            if dependent is None or request.req_id not in dependent.waits_for:
+            if dependent is None or request.req_id not in dependent.waits_for or dependent.shared_prefix_failed:
                 continue
             dependent.shared_prefix_failed = True
             if dependent.landed is not None:
                 self.prefill_locally(dependent, "shared_prefix_failed")
+            else:
+                self.withdraw(dependent)
         request.dependents = []
 
     def _drop_pending(self, request: Request) -> None:
@@ -271,7 +280,7 @@ class Scheduler:
         cap = self.config.prompt_tokens_while_decoding
         if not cap or cap >= budget or all(r.is_prefilling for r in self.running):
             return budget
-        lifted = min(budget, self.cap_lift) if self.cap_lift else budget
+        lifted = max(cap, min(budget, self.cap_lift)) if self.cap_lift else budget
         backlog = 0
         oldest = None
         for request in (*self.running, *self.waiting):

@@ -139,6 +139,55 @@ def test_a_sharer_computes_its_prompt_here_when_the_owner_fails(model: tuple[Pat
     decode.block_pool.check_integrity()
 
 
+def test_a_doomed_sharer_shares_its_own_blocks_with_nobody_new(model: tuple[Path, object]) -> None:
+    """b shares a's blocks and registers its own tail; once a fails, b will fail too: its tail is withdrawn, so a
+    later c with b's prefix does not wait for b."""
+    path, _ = model
+    _, decode = engines(path)
+    first, _ = two_prompts()
+    tail = first[:40] + prompts_for(400, [16])[0]
+    decode.add_request("a", first, PARAMS, remote_prefill=True)
+    b = decode.add_request("b", tail + [1, 2], PARAMS, remote_prefill=True)
+    decode.step()
+    assert b.waits_for == {"a"} and b.pending_hashes
+    decode.prefill_locally("a", "transfer_failed")
+    assert b.shared_prefix_failed and not b.pending_hashes and not decode.scheduler.pending
+    c = decode.add_request("c", tail + [3, 4, 5], PARAMS, remote_prefill=True)
+    decode.step()
+    assert c.status is RequestStatus.WAITING_FOR_KV and not c.waits_for
+
+
+@pytest.mark.parametrize("how", ["expired", "withdrawn"])
+def test_a_landed_sharer_stops_waiting(model: tuple[Path, object], how: str) -> None:
+    """A sharer whose pages are in computes its prompt here when its wait expires, or when the owner's transfer
+    is found failing (the owner's writer may still be stopping: the shared blocks stay with the owner)."""
+    path, hf = model
+    prefill, decode = engines(path)
+    first, second = two_prompts()
+    a = decode.add_request("a", first, PARAMS, remote_prefill=True)
+    b = decode.add_request("b", second, PARAMS, remote_prefill=True)
+    decode.step()
+    assert decode.activate("b", *prefill_and_ship(prefill, decode, "b", second)) == []
+    if how == "expired":
+        decode.expire_shared_wait("b")
+        reason = "shared_prefix_wait"
+    else:
+        decode.withdraw("a")
+        reason = "shared_prefix_failed"
+        assert not decode.scheduler.pending and a.status is RequestStatus.WAITING_FOR_KV
+    assert b.status is RequestStatus.WAITING and b.local_prefill_reason == reason
+    assert all(decode.block_pool.ref_count(block) == 1 for block in a.block_ids)  # a's own again
+    if how == "expired":
+        assert decode.activate("a", *prefill_and_ship(prefill, decode, "a", first)) == [a]
+    else:
+        decode.prefill_locally("a", "transfer_failed")
+    run_to_end(decode)
+    assert [a.output_token_ids, b.output_token_ids] == [hf_greedy(hf, p, 6) for p in (first, second)]
+    assert decode.num_free_blocks == decode.num_total_blocks
+    decode.expire_shared_wait("b")  # long gone: nothing happens
+    decode.block_pool.check_integrity()
+
+
 def test_without_the_prefix_cache_nothing_is_shared(model: tuple[Path, object]) -> None:
     path, _ = model
     config = EngineConfig.create(load_model_config(str(path)), max_model_len=128, block_size=BLOCK,
@@ -193,12 +242,19 @@ def test_any_order_of_landings_failures_and_aborts_keeps_the_pool_whole(seed: in
         if receiving and rng.random() < 0.5:
             request = rng.choice(receiving)
             event = rng.random()
-            if event < 0.7:
+            if event < 0.65:
                 land(request)
-            elif event < 0.85:
+            elif event < 0.75:
+                scheduler.prefill_locally(request, "transfer_failed")
+            elif event < 0.85:  # failing: withdrawn at once, computed here once its writer has stopped
+                scheduler.withdraw(request)
+                assert not any(owner == request.req_id for _, owner in scheduler.pending.values())
                 scheduler.prefill_locally(request, "transfer_failed")
             else:
                 scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        waiting = [r for r in scheduler.receiving.values() if r.landed is not None]
+        if waiting and rng.random() < 0.1:  # a wait that expired
+            scheduler.prefill_locally(rng.choice(waiting), "shared_prefix_wait")
         output = scheduler.schedule()
         if output is not None:
             num_sampling = sum(output.samples(i) for i in range(len(output.requests)))

@@ -243,8 +243,10 @@ def test_a_prompt_that_waited_lifts_the_cap_to_the_lifted_size() -> None:
     assert step_tokens(scheduler) == [("d", 1), ("p", 8)]  # a short queue, a fresh prompt: capped
     now += 0.06
     assert step_tokens(scheduler) == [("d", 1), ("p", 24)]  # waited 60 ms: lifted to 24, not to 63
+    scheduler.cap_lift = 4
+    assert step_tokens(scheduler) == [("d", 1), ("p", 8)]  # a lift below the cap never shrinks it
     scheduler.cap_lift = 0
-    assert step_tokens(scheduler) == [("d", 1), ("p", 60 - 32)]  # the whole budget (what is left of the prompt)
+    assert step_tokens(scheduler) == [("d", 1), ("p", 60 - 40)]  # the whole budget (what is left of the prompt)
 
 
 def test_the_cap_experiments_are_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -256,9 +258,13 @@ def test_the_cap_experiments_are_read_from_the_environment(monkeypatch: pytest.M
     monkeypatch.setenv(CAP_LIFT_ENV, "many")
     with pytest.raises(ConfigError, match=CAP_LIFT_ENV):
         _env_number(CAP_LIFT_ENV, 0)
-    monkeypatch.setenv(CAP_LIFT_ENV, "-1")
-    with pytest.raises(ConfigError, match="at least 0"):
-        _env_number(CAP_LIFT_ENV, 0)
+    for bad in ("-1", "inf", "nan"):
+        monkeypatch.setenv(CAP_MAX_WAIT_ENV, bad)
+        with pytest.raises(ConfigError, match=CAP_MAX_WAIT_ENV):
+            _env_number(CAP_MAX_WAIT_ENV, 0.0)
+    monkeypatch.setenv(CAP_LIFT_ENV, "0.5")
+    with pytest.raises(ConfigError, match="an integer"):
+        _env_number(CAP_LIFT_ENV, 0, int)
 
 
 def step_tokens(scheduler: Scheduler) -> list[tuple[str, int]]:
