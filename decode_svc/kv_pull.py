@@ -45,9 +45,10 @@ log = logging.getLogger(__name__)
 _RELEASE_ATTEMPTS = 10
 _RELEASE_TIMEOUT_S = 5.0
 # A request whose pages have landed but that shares blocks still in flight for others waits at most this long for
-# them, then computes its prompt here (a stalled transfer of another request must not hold it). Those transfers come
-# from the same batch of the prefill worker as a rule: milliseconds apart.
-SHARED_PREFIX_MAX_WAIT_S = 1.0
+# them, then computes its prompt here: a guard against a stalled transfer of another request, not a tuning knob.
+# Those transfers come from the same batch of the prefill worker as a rule (milliseconds apart), but a prompt's
+# prefill on a CPU, or on another, busier prefill worker, can take seconds.
+SHARED_PREFIX_MAX_WAIT_S = 5.0
 
 
 @dataclass
