@@ -26,6 +26,7 @@
 #   buckets  step cost by token count around the piecewise graphs' buckets; the switch interval A/B again, ~5 min
 #   policy2  after routing sizes to the fastest bucket: step costs, serve defaults vs prompt caps 512 / 384, ~8 min
 #   policy3  the prompt cap lifted after a 50 ms wait (to 896 tokens or the whole budget) vs the defaults, ~7 min
+#   prefix2  the prefix workloads twice, 64 random prompts (#17's no-loss target), ~5 min
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
@@ -444,6 +445,17 @@ suite_policy3() {
     TANDEM_PROMPT_CAP_MAX_WAIT_MS=50 TANDEM_PROMPT_CAP_LIFT=896 \
         serve_chunks policy3-cap512-wait50-lift896 "--prompt-tokens-while-decoding 512" 200
     TANDEM_PROMPT_CAP_MAX_WAIT_MS=50 serve_chunks policy3-cap512-wait50 "--prompt-tokens-while-decoding 512" 200
+}
+
+# For the next session (#17): the prefix workloads twice, with 64 random prompts instead of 16 (the 12-02 run's random
+# row, 16 requests in 1.6-1.9 s, is too short to tell a throughput loss from noise). ~5 min.
+suite_prefix2() {
+    for i in 1 2; do
+        step "prefix-chat-$i" 300 $PY -m tandem.benchmarks.prefix_chat --model "$BIG" --device "$DEVICE" \
+            --conversations "$(n 32 2)" --turns "$(n 5 2)" --shared-requests "$(n 32 2)" \
+            --random-requests "$(n 64 2)" --concurrency "$(n 16 2)" --max-tokens "$(n 64 4)" \
+            --out "$OUT/prefix-chat-$i.json"
+    done
 }
 
 # One 32k prompt among 64 streams (#16), offline throughput with and without piecewise graphs (#16: not lower).
