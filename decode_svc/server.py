@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from opentelemetry import trace
 
-from tandem.common.config import EngineConfig
+from tandem.common.config import EngineConfig, env_number
 from tandem.decode_svc.generation import RequestRunner
 from tandem.decode_svc.kv_pull import KVPuller
 from tandem.decode_svc.servicer import DecodeServicer
@@ -61,10 +60,11 @@ async def serve(service: ServiceOptions, config: EngineConfig, model_name: str, 
     """Serve until SIGTERM (or `stop`, for a worker run inside a test), pulling prompts' pages only from the
     prefill workers in `prefill_peers` or in the registry, with the stack's internal token when it has one."""
     # The engine thread shares the GIL with the event loop, whose work per step (a batch's tokens into session
-    # messages) runs in long Python stretches: a shorter switch interval lets the engine thread launch the next step
-    # sooner. An experiment's knob until measured on a GPU (`benchmarks/gpu/run.sh next`); Python's 5 ms otherwise.
-    if (interval := os.environ.get("TANDEM_DECODE_SWITCH_INTERVAL_S")):
-        sys.setswitchinterval(float(interval))
+    # messages) runs in long Python stretches: a shorter switch interval might let the engine thread launch the next
+    # step sooner. An experiment's knob: on an H200 0.5 ms against Python's 5 ms made no difference beyond the
+    # run-to-run spread (benchmarks/results/h200-2026-12-02d/, three runs each).
+    if (interval := env_number("TANDEM_DECODE_SWITCH_INTERVAL_S", 0.0)):
+        sys.setswitchinterval(interval)
     engine = start_engine(config, "decode", speculative)
     registry = RedisRegistry(service.redis_url) if service.redis_url else None
     if registry is not None:

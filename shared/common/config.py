@@ -8,11 +8,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 from dataclasses import asdict, dataclass, field, replace
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
+
+
+def env_number(name: str, default: float, kind: type[int] | type[float] = float) -> float:
+    """A number from the environment variable `name` (unset or empty: `default`); anything but a finite number
+    >= 0 of `kind` is a ConfigError naming the variable."""
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    try:
+        number = kind(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not math.isfinite(number) or number < 0:
+        raise ConfigError(f"{name}={value!r} must be a finite number, at least 0")
+    return number
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,6 @@ One engine serves every role:
 
 from __future__ import annotations
 
-import math
-import os
 import random
 import time
 from collections.abc import Callable
@@ -24,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.common.config import ConfigError, EngineConfig, KVLayout, ModelConfig
+from tandem.common.config import EngineConfig, KVLayout, ModelConfig, env_number
 from tandem.common.errors import InvalidRequestError
 from tandem.common.sampling_params import SamplingParams
 from tandem.common.validation import validate_prompt
@@ -40,19 +38,6 @@ from tandem.engine.spec_decode import SpeculativeConfig
 # to this many prompt tokens rather than the whole budget (experiments: docs/architecture.md).
 CAP_MAX_WAIT_ENV = "TANDEM_PROMPT_CAP_MAX_WAIT_MS"
 CAP_LIFT_ENV = "TANDEM_PROMPT_CAP_LIFT"
-
-
-def _env_number(name: str, default: float, kind: type[int] | type[float] = float) -> float:
-    value = os.environ.get(name, "")
-    if not value:
-        return default
-    try:
-        number = kind(value)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not {'an integer' if kind is int else 'a number'}") from None
-    if not math.isfinite(number) or number < 0:
-        raise ConfigError(f"{name}={value!r} must be a finite number, at least 0")
-    return number
 
 
 @dataclass
@@ -111,8 +96,8 @@ class Engine:
         if self.runner.mixed_graphs is not None:
             self.scheduler.step_sizes = self.runner.mixed_graphs.bucket.exact_sizes()
         # Experiments with the prompt cap (docs/architecture.md, benchmarks/sched_sim.py), not served settings.
-        self.scheduler.cap_max_wait_s = _env_number(CAP_MAX_WAIT_ENV, 0.0) / 1e3
-        self.scheduler.cap_lift = int(_env_number(CAP_LIFT_ENV, 0, int))
+        self.scheduler.cap_max_wait_s = env_number(CAP_MAX_WAIT_ENV, 0.0) / 1e3
+        self.scheduler.cap_lift = int(env_number(CAP_LIFT_ENV, 0, int))
         self.requests: dict[str, Request] = {}
         self._seed_source = random.Random(config.seed)
         # Prefill role: called once per prefill step with its chunks (request, first token, number of tokens);
@@ -363,19 +348,21 @@ class Engine:
         if request.shared_prefix_failed:
             self.scheduler.prefill_locally(request, "shared_prefix_failed")
             return []
+        request.landed = (first_token_id, logprob)
         if request.waits_for:
-            request.landed = (first_token_id, logprob)
             return []
         activated = []
-        ready = [(request, first_token_id, logprob)]
+        ready = [request]
         while ready:
-            request, token_id, logprob = ready.pop()
+            request = ready.pop()
+            assert request.landed is not None
+            (token_id, token_logprob), request.landed = request.landed, None
             self.scheduler.activate(request)
-            self.scheduler.append_token(request, token_id, logprob)
+            self.scheduler.append_token(request, token_id, token_logprob)
             if request.status.is_finished:
                 self.requests.pop(request.req_id, None)
             activated.append(request)
-            ready += [(r, *r.landed) for r in self.scheduler.released_by(request) if r.landed is not None]
+            ready += self.scheduler.released_by(request)
         return activated
 
     def withdraw(self, req_id: str) -> None:

@@ -153,7 +153,6 @@ class Scheduler:
     def prefill_locally(self, request: Request, reason: str) -> None:
         """A reserved request whose transfer failed: free its blocks and compute its prompt here, first in line
         (it was admitted before everything still waiting). Those sharing its blocks fail with it."""
-        self._drop_pending(request)
         del self.receiving[request.req_id]
         self.block_pool.free(request.block_ids)
         request.block_ids = []
@@ -165,7 +164,7 @@ class Scheduler:
         request.landed = None
         request.shared_prefix_failed = False
         self.waiting.appendleft(request)
-        self._fail_dependents(request)
+        self.withdraw(request)
 
     def released_by(self, request: Request) -> list[Request]:
         """After `request` activated: those sharing its blocks that waited only for it, their own pages landed
@@ -594,9 +593,8 @@ class Scheduler:
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_KV:
-            self._drop_pending(request)
             del self.receiving[request.req_id]
-            self._fail_dependents(request)
+            self.withdraw(request)
         elif request.status is RequestStatus.PREFILLED:
             del self.prefilled[request.req_id]
         elif request.status.is_finished:

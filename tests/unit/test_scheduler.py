@@ -251,7 +251,8 @@ def test_a_prompt_that_waited_lifts_the_cap_to_the_lifted_size() -> None:
 
 def test_the_cap_experiments_are_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from tandem.common.config import ConfigError
-    from tandem.engine.engine import CAP_LIFT_ENV, CAP_MAX_WAIT_ENV, _env_number
+    from tandem.common.config import env_number as _env_number
+    from tandem.engine.engine import CAP_LIFT_ENV, CAP_MAX_WAIT_ENV
 
     monkeypatch.setenv(CAP_MAX_WAIT_ENV, "50")
     assert _env_number(CAP_MAX_WAIT_ENV, 0.0) == 50.0
