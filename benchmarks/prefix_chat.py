@@ -259,11 +259,14 @@ def summarize(turns: list[Turn], seconds: float, before: dict[str, dict[str, flo
 async def run_workloads(address: str, urls: dict[str, list[str]], args: argparse.Namespace) -> dict[str, Any]:
     client = Client(address, args.max_tokens)
     results: dict[str, Any] = {}
-    plans = [("chat", lambda: chat(client, args.conversations, args.turns)),
-             ("shared", lambda: in_flight(client, shared(args.shared_requests), args.concurrency)),
-             ("random", lambda: in_flight(client, unshared(args.random_requests, args.random_words),
-                                          args.concurrency))]
-    for name, plan in plans:
+    concurrency = args.concurrency
+    plans = [("chat", args.conversations * args.turns, lambda: chat(client, args.conversations, args.turns)),
+             ("shared", args.shared_requests, lambda: in_flight(client, shared(args.shared_requests), concurrency)),
+             ("random", args.random_requests,
+              lambda: in_flight(client, unshared(args.random_requests, args.random_words), concurrency))]
+    for name, count, plan in plans:
+        if count == 0:  # a workload left out (e.g. only the random prompts)
+            continue
         before = {role: scrape(role_urls) for role, role_urls in urls.items()}
         start = time.perf_counter()
         turns = await plan()

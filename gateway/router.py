@@ -69,7 +69,9 @@ class Completion:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    text: str = ""
+    # The text so far in the pieces it came in (`text` joins them; appending to one string would copy it
+    # on every token).
+    text_parts: list[str] = field(default_factory=list)
     # The chosen token's logprob for each of token_ids (as decode reports them).
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -77,6 +79,10 @@ class Completion:
     e2e_s: float = 0.0
     # Prompt tokens the decode worker had in its prefix cache (on the attempt that finished the request).
     num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
 
 
 class Router:
@@ -303,7 +309,7 @@ class Router:
                     ended = True
                 progress.token_ids += new_ids
                 progress.logprobs += new_logprobs
-                progress.text += text
+                progress.text_parts.append(text)
                 if progress.finish_reason is not None:
                     progress.e2e_s = time.perf_counter() - arrival
                     _observe(progress)

@@ -18,6 +18,7 @@ from tandem.gateway.request_decoding import MalformedRequestInterceptor
 from tandem.gateway.router import GatewayModel, Router
 from tandem.gateway.servicer import GenerationServicer
 from tandem.models import load_model_config, load_tokenizer
+from tandem.models.detokenizer import warm_detokenizer
 from tandem.serving.registry import CacheSummary, RedisRegistry, Registry, StaticRegistry, WorkerRecord
 from tandem.serving.rpc import ChannelPool, TlsConfig
 from tandem.serving.service import ServiceOptions, run_service
@@ -73,7 +74,9 @@ STREAMS_HEADROOM = 256
 def load_gateway_model(name: str, max_model_len: int | None = None) -> GatewayModel:
     config = load_model_config(name)
     limit = max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    return GatewayModel(name=name, config=config, max_model_len=limit, tokenizer=load_tokenizer(config))
+    tokenizer = load_tokenizer(config)
+    warm_detokenizer(tokenizer)  # its byte table takes a fraction of a second: not on the first request
+    return GatewayModel(name=name, config=config, max_model_len=limit, tokenizer=tokenizer)
 
 
 def gateway_service_options(service: ServiceOptions, max_concurrent_requests: int,

@@ -27,6 +27,8 @@
 #   policy2  after routing sizes to the fastest bucket: step costs, serve defaults vs prompt caps 512 / 384, ~8 min
 #   policy3  the prompt cap lifted after a 50 ms wait (to 896 tokens or the whole budget) vs the defaults, ~7 min
 #   prefix2  the prefix workloads twice, 64 random prompts (#17's no-loss target), ~5 min
+#   gc       the collector settled after start-up vs Python's default (gateway alone, #15's 1B rows), and the
+#            random-prompt workload alone with the cache on/off in both orders (#17), ~7 min
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
@@ -455,6 +457,28 @@ suite_prefix2() {
             --conversations "$(n 32 2)" --turns "$(n 5 2)" --shared-requests "$(n 32 2)" \
             --random-requests "$(n 64 2)" --concurrency "$(n 16 2)" --max-tokens "$(n 64 4)" \
             --out "$OUT/prefix-chat-$i.json"
+    done
+}
+
+# 2026-12-02 (fifth session): services settle the garbage collector after start-up (`settle_heap`); A/B by
+# TANDEM_GC_YOUNG_THRESHOLD=0, interleaved. Then #17's random workload alone, 128 prompts, the cache off first and
+# on first (prefix2 gave 0.93x and 1.00x with "on" always first).
+suite_gc() {
+    for v in 0 50000; do
+        TANDEM_GC_YOUNG_THRESHOLD=$v step "gateway-alone-gc$v" 90 $PY -m tandem.benchmarks.stack_overhead \
+            --fake-decode-step-ms 1 --gateway-workers 1 --num-requests "$(n 256 8)" --output-len "fixed:$(n 256 8)" \
+            --repeat "$(n 3 1)" --out "$OUT/gateway-alone-w1-gc$v.json"
+    done
+    for i in 1 2; do
+        for v in 0 50000; do
+            TANDEM_GC_YOUNG_THRESHOLD=$v stack_row "1b-1024-w4-gc$v-$i" "$SMALL" 256 1024 4
+        done
+    done
+    stack_row 1b-128-w4-gc50000 "$SMALL" 256 128 4
+    for modes in off,on on,off; do
+        step "prefix-random-${modes/,/-}" 200 $PY -m tandem.benchmarks.prefix_chat --model "$BIG" --device "$DEVICE" \
+            --conversations 0 --shared-requests 0 --random-requests "$(n 128 4)" --concurrency "$(n 16 2)" \
+            --max-tokens "$(n 64 4)" --modes "$modes" --out "$OUT/prefix-random-${modes/,/-}.json"
     done
 }
 

@@ -4,6 +4,7 @@ SIGTERM. No torch here: the gateway runs on it too (the workers' engine side is 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from tandem.common.config import ConfigError
+from tandem.common.config import ConfigError, env_number
 from tandem.serving import metrics
 from tandem.serving.auth import InternalTokenInterceptor, require_auth_beyond_loopback, validate_token
 from tandem.serving.registry import RedisRegistry, WorkerRecord
@@ -90,6 +91,26 @@ class ServiceOptions:
         return f"{host}:{bound_port}"
 
 
+# The garbage collector's youngest-generation threshold while serving (Python's default: 700 allocations). A
+# serving loop allocates short-lived objects per token (messages, futures, lists); each young collection also
+# walks whatever survived into it. `TANDEM_GC_YOUNG_THRESHOLD=0` leaves the collector as Python sets it (the
+# A/B). Measured with the gateway alone (`stack_overhead --fake-decode-step-ms 1`): benchmarks/results/README.md,
+# "Garbage collection while serving".
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def settle_heap() -> None:
+    """Once start-up is done: what it built (modules, the model, the tokenizer's tables) moves to the
+    collector's permanent generation, never scanned again, and young collections run less often."""
+    threshold = int(env_number("TANDEM_GC_YOUNG_THRESHOLD", GC_YOUNG_THRESHOLD, int))
+    if threshold == 0:
+        return
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(threshold, middle, old)
+
+
 async def run_service(options: ServiceOptions, add_servicers: AddServicers,
                       record: Callable[[str], WorkerRecord] | None = None,
                       on_started: Callable[[str, int], None] | None = None,
@@ -124,6 +145,8 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
     if options.redis_url and record is not None:
         registry = RedisRegistry(options.redis_url)
         await registry.register(lambda: record(address))
+    if stop is None:  # a process of its own (not a service inside a test's process)
+        settle_heap()
     # The launcher (`tandem up`) and people read this line to find the service.
     print(f"tandem {options.role} ready grpc={options.host}:{port} advertise={address} "
           f"http=http://{options.host}:{http_port}", flush=True)

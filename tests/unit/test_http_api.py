@@ -84,7 +84,7 @@ class FakeRouter(Router):
                     progress.finish_reason = "stop"
                 elif i == params.max_tokens - 1:
                     progress.finish_reason = "length"
-                progress.text += text
+                progress.text_parts.append(text)
                 yield [token], text, progress
                 if progress.finish_reason is not None:
                     return
