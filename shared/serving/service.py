@@ -91,18 +91,19 @@ class ServiceOptions:
         return f"{host}:{bound_port}"
 
 
-# The garbage collector's youngest-generation threshold while serving (Python's default: 700 allocations). A
-# serving loop allocates short-lived objects per token (messages, futures, lists); each young collection also
-# walks whatever survived into it. `TANDEM_GC_YOUNG_THRESHOLD=0` leaves the collector as Python sets it (the
-# A/B). Measured with the gateway alone (`stack_overhead --fake-decode-step-ms 1`): benchmarks/results/README.md,
-# "Garbage collection while serving".
-GC_YOUNG_THRESHOLD = 50_000
+# The garbage collector's youngest-generation threshold while serving, from TANDEM_GC_YOUNG_THRESHOLD (unset or 0:
+# Python's own, 700 allocations). A serving loop allocates short-lived objects per token (messages, futures,
+# lists); with a threshold set, what start-up built moves to the collector's permanent generation and young
+# collections run less often. Measured with the gateway alone (`stack_overhead --fake-decode-step-ms 1`), 50,000
+# against Python's: -14% CPU per token on the 2-core CPU VM (Python 3.11), no difference on the H200 host (Python
+# 3.12; nor on the stack's share of the engine), so it is off by default: benchmarks/results/README.md, "Garbage
+# collection while serving".
 
 
 def settle_heap() -> None:
-    """Once start-up is done: what it built (modules, the model, the tokenizer's tables) moves to the
-    collector's permanent generation, never scanned again, and young collections run less often."""
-    threshold = int(env_number("TANDEM_GC_YOUNG_THRESHOLD", GC_YOUNG_THRESHOLD, int))
+    """Once start-up is done, with TANDEM_GC_YOUNG_THRESHOLD set: what start-up built (modules, the model, the
+    tokenizer's tables) is never scanned again and young collections wait for that many allocations."""
+    threshold = int(env_number("TANDEM_GC_YOUNG_THRESHOLD", 0, int))
     if threshold == 0:
         return
     gc.collect()
