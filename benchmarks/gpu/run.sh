@@ -27,6 +27,7 @@
 #   policy2  after routing sizes to the fastest bucket: step costs, serve defaults vs prompt caps 512 / 384, ~8 min
 #   policy3  the prompt cap lifted after a 50 ms wait (to 896 tokens or the whole budget) vs the defaults, ~7 min
 #   prefix2  the prefix workloads twice, 64 random prompts (#17's no-loss target), ~5 min
+#   async    async scheduling on vs off (TANDEM_ASYNC_SCHEDULING): its GPU test, #15's stack rows, ~6 min
 #   gc       the collector settled after start-up vs Python's default (gateway alone, #15's 1B rows), and the
 #            random-prompt workload alone with the cache on/off in both orders (#17), ~7 min
 #
@@ -479,6 +480,24 @@ suite_gc() {
         step "prefix-random-${modes/,/-}" 200 $PY -m tandem.benchmarks.prefix_chat --model "$BIG" --device "$DEVICE" \
             --conversations 0 --shared-requests 0 --random-requests "$(n 128 4)" --concurrency "$(n 16 2)" \
             --max-tokens "$(n 64 4)" --modes "$modes" --out "$OUT/prefix-random-${modes/,/-}.json"
+    done
+}
+
+# 2026-12-02 (fifth session): pure decode steps launched one ahead of the host (async scheduling), A/B by
+# TANDEM_ASYNC_SCHEDULING (both the offline engine and the stack's decode worker read it), interleaved.
+suite_async() {
+    step async-gpu-test 200 $PY -m pytest -q -x --confcutdir=tests/kernels -p no:cacheprovider \
+        tests/kernels/test_async_scheduling_gpu.py
+    for i in 1 2; do
+        for v in 0 1; do
+            TANDEM_ASYNC_SCHEDULING=$v stack_row "1b-1024-w4-async$v-$i" "$SMALL" 256 1024 4
+        done
+    done
+    for v in 0 1; do
+        TANDEM_ASYNC_SCHEDULING=$v stack_row "1b-128-w4-async$v" "$SMALL" 256 128 4
+    done
+    for v in 0 1; do
+        TANDEM_ASYNC_SCHEDULING=$v stack_row "8b-256-w4-async$v" "$BIG" 1024 256 4
     done
 }
 

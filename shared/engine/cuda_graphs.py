@@ -156,13 +156,14 @@ class DecodeGraphs:
         # The static inputs are padding rows here (slot -1, context 0): the timed replays store nothing.
         self.bucket.measure({size: [graph.replay] for size, graph in self.graphs.items()}, "decode graphs")
 
-    def run(self, inputs: DecodeInputs) -> torch.Tensor:
+    def run(self, inputs: DecodeInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the smallest graph that fits, with `inputs` (pinned host tensors, copied asynchronously
-        straight into the static buffers; device tensors work too)."""
+        straight into the static buffers; device tensors work too); `input_ids` (on the device) in place of
+        theirs (async scheduling: the tokens of a step the host has not read yet)."""
         num_seqs = inputs.input_ids.shape[0]
         size = self.bucket(num_seqs)
         s = self.static
-        s.input_ids[:num_seqs].copy_(inputs.input_ids, non_blocking=True)
+        s.input_ids[:num_seqs].copy_(inputs.input_ids if input_ids is None else input_ids, non_blocking=True)
         s.positions[:num_seqs].copy_(inputs.positions, non_blocking=True)
         s.slot_mapping[:num_seqs].copy_(inputs.slot_mapping, non_blocking=True)
         s.slot_mapping[num_seqs:size].fill_(-1)

@@ -15,6 +15,7 @@ One engine serves every role:
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -30,12 +31,14 @@ from tandem.engine.block_pool import BlockPool
 from tandem.engine.draft import DraftProposer, draft_engine_config, draft_kv_share
 from tandem.engine.ngram import NgramProposer
 from tandem.engine.request import KVMirror, Request, RequestStatus
-from tandem.engine.runner import ModelRunner
+from tandem.engine.runner import LaunchedDecode, ModelRunner
 from tandem.engine.scheduler import Scheduler, num_blocks_for
 from tandem.engine.spec_decode import SpeculativeConfig
 
 # With a prompt cap (`prompt_tokens_while_decoding`): lift it once a prompt has waited this many milliseconds, and
 # to this many prompt tokens rather than the whole budget (experiments: docs/architecture.md).
+# 0 or 1 over `EngineConfig.async_scheduling` (the A/B in benchmarks/gpu/run.sh).
+ASYNC_SCHEDULING_ENV = "TANDEM_ASYNC_SCHEDULING"
 CAP_MAX_WAIT_ENV = "TANDEM_PROMPT_CAP_MAX_WAIT_MS"
 CAP_LIFT_ENV = "TANDEM_PROMPT_CAP_LIFT"
 
@@ -104,6 +107,15 @@ class Engine:
         # returns what to call with each layer's index once that layer's K/V are stored (one hand-off per layer
         # per step), or None when nothing is to export.
         self.on_prefill_step: Callable[[list[tuple[Request, int, int]]], Callable[[int], None] | None] | None = None
+        # Async scheduling (docs/architecture.md): consecutive pure decode steps are launched one ahead, the next
+        # step's inputs built and queued while the GPU runs this one; None: on with CUDA graphs on a GPU.
+        async_scheduling = config.async_scheduling
+        if ASYNC_SCHEDULING_ENV in os.environ:
+            async_scheduling = bool(env_number(ASYNC_SCHEDULING_ENV, 0, int))
+        if async_scheduling is None:
+            async_scheduling = self.runner.graphs is not None
+        self.async_scheduling = async_scheduling and speculative is None
+        self._in_flight: LaunchedDecode | None = None
 
     # -- properties the services report -----------------------------------------------------------
     @property
@@ -123,7 +135,8 @@ class Engine:
         return self.block_pool.num_free_blocks
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # A launched step is read even when everyone in it has ended: its pinned blocks go back then.
+        return self._in_flight is not None or self.scheduler.has_unfinished()
 
     # -- admission ----------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -194,6 +207,8 @@ class Engine:
 
     # -- the loop -------------------------------------------------------------------------------------
     def step(self) -> StepResult:
+        if self._in_flight is not None:
+            return self._read_in_flight()
         output = self.scheduler.schedule()
         if output is None:
             return StepResult([], [], is_prefill=False)
@@ -203,6 +218,9 @@ class Engine:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
         is_prefill = output.is_prefill
+        if self.async_scheduling and output.is_pure_decode:
+            self._in_flight = self.runner.launch_decode(output.requests)
+            return self._read_in_flight()
         hook = None
         if is_prefill and self.on_prefill_step is not None:
             hook = self.on_prefill_step([(r, r.num_computed_tokens, n)
@@ -228,6 +246,65 @@ class Engine:
                 result.num_draft_model_tokens = self.draft.last_num_tokens
                 result.num_draft_prompt_tokens = self.draft.last_num_prompt_tokens
         return result
+
+    # -- async scheduling ------------------------------------------------------------------------------
+    def _read_in_flight(self) -> StepResult:
+        """Launch the step after the one in flight when it can be (`_launch_next`), then read the one in flight
+        and apply its tokens: the host's work for step N+1 and for step N's tokens overlaps N+1's forward."""
+        current = self._in_flight
+        assert current is not None
+        try:
+            self._in_flight = self._launch_next(current)
+            token_ids, logprobs = current.result()
+        except BaseException:
+            for launched in (current, self._in_flight):
+                if launched is not None:
+                    self.block_pool.free(launched.pinned)
+            self._in_flight = None
+            raise
+        # Requests aborted, or ended by a token of the step before, while this one ran: their rows are dropped.
+        live = [r.status is RequestStatus.RUNNING for r in current.requests]
+        finished = self.scheduler.update_decodes(current.requests, token_ids, logprobs)
+        self.block_pool.free(current.pinned)
+        for request in finished:
+            self.requests.pop(request.req_id, None)
+        requests = [r for r, is_live in zip(current.requests, live, strict=True) if is_live]
+        return StepResult(requests, finished, False, num_new_tokens=[1] * len(requests))
+
+    def _launch_next(self, current: LaunchedDecode) -> LaunchedDecode | None:
+        """The pure decode step after `current` (launched, not read), if it is what the scheduler would run: no
+        request waits or joined since, every running request is in `current`, and each one that may still be
+        running after it gets a slot for one more token (without preempting anyone). Requests that `current`'s
+        token ends by length are left out; those its token may stop (EOS, a stop token) are not known yet and run
+        one token too many, which is dropped when read."""
+        scheduler = self.scheduler
+        if scheduler.waiting or scheduler.prefilled:
+            return None
+        rows_of = {id(r): i for i, r in enumerate(current.requests)}
+        requests: list[Request] = []
+        rows: list[int] = []
+        for request in scheduler.running:
+            row = rows_of.get(id(request))
+            if row is None or request.is_prefilling or request.prefill_only:
+                return None
+            if len(request.output_token_ids) + 1 >= request.params.max_tokens:
+                continue
+            requests.append(request)
+            rows.append(row)
+        if not requests or len(requests) > self.config.budget:
+            return None
+        bs = self.config.cache.block_size
+        # Position num_tokens (one past the last token the host knows) is written by the next step.
+        growing = [r for r in requests if r.num_tokens // bs >= len(r.block_ids)]
+        if growing and not self.block_pool.can_allocate(len(growing)):
+            return None
+        for request in growing:
+            request.block_ids += self.block_pool.allocate(1)
+        pinned = [r.block_ids[r.num_tokens // bs] for r in requests]
+        self.block_pool.acquire(pinned)
+        launched = self.runner.launch_decode(requests, current, rows)
+        launched.pinned = pinned
+        return launched
 
     # -- speculative decoding ---------------------------------------------------------------------------
     # A request whose proposals are all rejected proposes half as many next time; at none, it waits this many

@@ -53,7 +53,7 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None,
                  gpu_memory_fraction: float = 0.85, use_triton: bool = True, use_cuda_graphs: bool = True,
                  piecewise_cuda_graphs: bool = True, seed: int = 0, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto",
+                 kv_cache_dtype: str = "auto", async_scheduling: bool | None = None,
                  cache_dir: Path | None = None) -> None:
         model_config = load_model_config(model, cache_dir=cache_dir)
         if max_num_batched_tokens is None and enable_chunked_prefill and device.startswith("cuda"):
@@ -64,7 +64,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
             prompt_tokens_while_decoding=prompt_tokens_while_decoding, enable_prefix_caching=enable_prefix_caching,
             use_triton=use_triton, use_cuda_graphs=use_cuda_graphs, piecewise_cuda_graphs=piecewise_cuda_graphs,
-            seed=seed, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+            seed=seed, quantization=quantization, kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling)
         speculative = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         self.engine = Engine(self.config, speculative=speculative)
         self.tokenizer: Any = load_tokenizer(model_config) if model_config.tokenizer_path else None

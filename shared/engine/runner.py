@@ -59,6 +59,26 @@ class DecodeInputs:
         return DecodeInputs(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
 
 
+@dataclass
+class LaunchedDecode:
+    """A pure decode step whose kernels are queued and whose sampled tokens are on their way to the host (async
+    scheduling: the next step may be launched before these are read). `pinned`: blocks the step writes a slot of,
+    held by the engine until the step is read, so that none is handed to anyone while the GPU may still write it."""
+
+    requests: list[Request]
+    token_ids: torch.Tensor  # [S] int64, on the device: the next step's input ids
+    host_token_ids: torch.Tensor  # [S] int64, on the host once `done`
+    host_logprobs: torch.Tensor  # [S] float32
+    done: torch.cuda.Event | None  # None on the CPU (the step ran to its end when launched)
+    pinned: list[int]
+
+    def result(self) -> tuple[list[list[int]], list[list[float]]]:
+        """Waits for the step (not for any launched after it) and returns its tokens as `execute` does."""
+        if self.done is not None:
+            self.done.synchronize()
+        return [[t] for t in self.host_token_ids.tolist()], [[p] for p in self.host_logprobs.tolist()]
+
+
 # "0": steps with prompt tokens run eagerly (the A/B switch of the benchmarks; also `LLM(piecewise_cuda_graphs=False)`).
 PIECEWISE_ENV = "TANDEM_PIECEWISE_GRAPHS"
 
@@ -197,25 +217,56 @@ class ModelRunner:
                                 for row in range(end - count, end)], torch.int64)
         return self.model.compute_logits(hidden[last])
 
-    def decode_logits(self, requests: list[Request]) -> torch.Tensor:
-        inputs = self.prepare_decode(requests)
+    def decode_logits(self, requests: list[Request], after: LaunchedDecode | None = None,
+                      rows: list[int] | None = None) -> torch.Tensor:
+        """Logits [S, V] of a decode step. With `after` (a launched step whose tokens the host has not applied),
+        each request's input is the token `after` sampled in row `rows[i]`, taken on the device, at the position
+        after its last known token."""
+        inputs = self.prepare_decode(requests, lookahead=after is not None)
+        input_ids = None
+        if after is not None:
+            assert rows is not None
+            input_ids = after.token_ids.index_select(0, self._to_device(rows, torch.int64))
         if self.graphs is not None and self.graphs.can_run(len(requests)):
-            return self.graphs.run(inputs)  # copied from the host straight into the graph's static buffers
-        return self.forward_decode(inputs.to(self.device), self.num_splits_for(len(requests)))
+            # Copied from the host straight into the graph's static buffers.
+            return self.graphs.run(inputs, input_ids)
+        inputs = inputs.to(self.device)
+        if input_ids is not None:
+            inputs.input_ids = input_ids
+        return self.forward_decode(inputs, self.num_splits_for(len(requests)))
 
-    def prepare_decode(self, requests: list[Request]) -> DecodeInputs:
+    @torch.inference_mode()
+    def launch_decode(self, requests: list[Request], after: LaunchedDecode | None = None,
+                      rows: list[int] | None = None) -> LaunchedDecode:
+        """Queue a pure decode step (see `decode_logits`) and its tokens' copy to the host, without waiting."""
+        logits = self.decode_logits(requests, after, rows)
+        token_ids, logprobs = sample(logits, SamplingTensors.from_requests(requests, self.device,
+                                                                           num_unapplied=int(after is not None)))
+        if self.device.type != "cuda":
+            return LaunchedDecode(requests, token_ids, token_ids, logprobs, None, [])
+        host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+        host_ids.copy_(token_ids, non_blocking=True)
+        host_logprobs.copy_(logprobs, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return LaunchedDecode(requests, token_ids, host_ids, host_logprobs, done, [])
+
+    def prepare_decode(self, requests: list[Request], lookahead: bool = False) -> DecodeInputs:
         """The step's inputs as host tensors (pinned when the model is on a GPU, so that their copies to
-        the device are asynchronous)."""
+        the device are asynchronous). `lookahead`: each request has one more token than it knows (sampled by a
+        step not applied yet): it computes that token's position, and its input id is filled in on the device."""
         bs = self.block_size
         max_blocks = max(len(r.block_ids) for r in requests)
         padding = [0] * max_blocks
         input_ids, positions, slots, context_lens = [], [], [], []
         block_tables: list[int] = []  # [S * max_blocks], flat: one list to convert, not one per request
+        ahead = int(lookahead)
         for request in requests:
             block_ids = request.block_ids
-            num_tokens = request.num_tokens
+            num_tokens = request.num_tokens + ahead
             position = num_tokens - 1  # the last token's K/V is written this step
-            input_ids.append(request.last_token_id)
+            input_ids.append(0 if lookahead else request.last_token_id)
             positions.append(position)
             slots.append(block_ids[position // bs] * bs + position % bs)  # `_slots` of one position
             context_lens.append(num_tokens)

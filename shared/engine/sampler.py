@@ -64,9 +64,11 @@ class SamplingTensors:
     any_top_p: bool
 
     @classmethod
-    def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingTensors | None:
+    def from_requests(cls, requests: list[Request], device: torch.device, num_unapplied: int = 0
+                      ) -> SamplingTensors | None:
         """The step's parameters on the device; None when every request is greedy (the common serving
-        case), which needs none of them: no host→device copies at all."""
+        case), which needs none of them: no host→device copies at all. `num_unapplied`: output tokens each
+        request has that the host has not appended yet (async scheduling), counted in the draw's position."""
         params = [r.params for r in requests]
         temperatures = [p.temperature for p in params]
         if all(t == 0.0 for t in temperatures):
@@ -79,7 +81,7 @@ class SamplingTensors:
             top_ps=torch.tensor(top_ps, dtype=torch.float32).to(device, non_blocking=True),
             seeds=torch.tensor([_signed(r.seed) for r in requests], dtype=torch.int64).to(
                 device, non_blocking=True),
-            positions=torch.tensor([r.num_output_tokens for r in requests], dtype=torch.int64).to(
+            positions=torch.tensor([r.num_output_tokens + num_unapplied for r in requests], dtype=torch.int64).to(
                 device, non_blocking=True),
             any_top_k=any(k > 0 for k in top_ks),
             any_top_p=any(p < 1.0 for p in top_ps),

@@ -467,7 +467,7 @@ class Scheduler:
         the order of those requests: a token, or (a verify step) the run of its accepted proposals plus the
         target's next token; finish those that stop. Returns the finished."""
         if output.is_pure_decode:
-            return self._update_decodes(output.requests, token_ids, logprobs)
+            return self.update_decodes(output.requests, token_ids, logprobs)
         finished: list[Request] = []
         sampled = iter(zip(token_ids, logprobs, strict=True))
         for request, num_new in zip(output.requests, output.num_new_tokens, strict=True):
@@ -511,7 +511,7 @@ class Scheduler:
                     self._trim(request)
         return finished
 
-    def _update_decodes(self, requests: list[Request], token_ids: Sequence[int | Sequence[int]],
+    def update_decodes(self, requests: list[Request], token_ids: Sequence[int | Sequence[int]],
                         logprobs: Sequence[float | Sequence[float]]) -> list[Request]:
         """`update_from_output` of a pure decode step (every request computed its last token and emitted one, no
         proposals): the same effects in one pass without the general path's per-request bookkeeping, since at a

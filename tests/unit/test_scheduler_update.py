@@ -1,4 +1,4 @@
-"""A pure decode step's update (`Scheduler._update_decodes`, the fast path) has the same effects as the general
+"""A pure decode step's update (`Scheduler.update_decodes`, the fast path) has the same effects as the general
 `update_from_output`: two schedulers driven in lockstep through the same random workload, one forced down the
 general path, end every step in the same state."""
 
