@@ -44,6 +44,7 @@ import torch
 import tandem
 from tandem import LLM, SamplingParams
 from tandem.benchmarks.serve import LengthDist, run_rate, workload
+from tandem.common.debug import dump_stacks_on_sigusr1
 from tandem.gateway.workers import default_num_workers
 from tandem.launcher import Stack, StackOptions, free_port, is_serving
 from tandem.models import load_model_config, load_tokenizer
@@ -246,6 +247,7 @@ async def run_gateway_only(args: argparse.Namespace, gateway_workers: int) -> li
 
 
 def main() -> None:
+    dump_stacks_on_sigusr1()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="dummy:tiny")
     parser.add_argument("--device", default="cpu")

@@ -107,7 +107,11 @@ class Sessions:
                 if (message := session.take()) is not None:
                     yield message
                 if not session.tasks and (self.draining or reader.done()):
-                    return  # draining (or the gateway closed its side) and nothing left in flight
+                    # Draining (or the gateway closed its side) and nothing left in flight. A request that ended
+                    # while the message above was being written left its last updates behind: they go first.
+                    if (message := session.take()) is not None:
+                        yield message
+                    return
         finally:
             # The gateway went away (or the worker is stopping): every request of the session ends here,
             # each freeing its blocks as a cancelled Generate call would.

@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from tandem.common.debug import dump_stacks_on_sigusr1
 from tandem.gateway.limits import GatewayLimits
 from tandem.serving.service import ServiceOptions
 
@@ -273,6 +274,7 @@ def _drain(fd: int) -> None:
 
 # -- in each gateway process -------------------------------------------------------------------------------------
 def _worker_main(index: int, args: GatewayArgs, ready: Connection, supervisor_pid: int) -> None:
+    dump_stacks_on_sigusr1()
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s gateway[{index}] %(levelname)s %(name)s: %(message)s")
     # The processes share service.name and service.instance.id (the address): this tells their spans apart.

@@ -480,6 +480,9 @@ def bench_serve(
 
 
 def main() -> None:
+    from tandem.common.debug import dump_stacks_on_sigusr1
+
+    dump_stacks_on_sigusr1()
     app()
 
 

@@ -75,8 +75,21 @@ step() {
     local name=$1 limit=$2; shift 2
     echo "== $name: $*" | tee -a "$LOG"
     local start=$SECONDS
+    # Ten seconds before the limit every tandem process prints its threads' stacks (SIGUSR1, tandem.common.debug):
+    # a step that hangs says where; the services' logs (with their stacks) are kept beside the step's.
+    local since
+    since=$(date +%s)
+    ( sleep $((limit > 20 ? limit - 10 : limit)); pkill -USR1 -f "tandem[.](cli|benchmarks)" ) &
+    local watchdog=$!
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
+    kill "$watchdog" 2> /dev/null
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        mkdir -p "$OUT/$name-service-logs"
+        find "${TANDEM_HOME:-$HOME/.cache/tandem}/logs" -type f -newermt "@$since" \
+            -exec cp --backup=numbered -t "$OUT/$name-service-logs" {} + 2> /dev/null
+        pkill -KILL -f "tandem[.]cli (up|prefill|decode|gateway)"  # what the killed step left running
+    fi
     cat "$OUT/$name.log" >> "$LOG"
     printf "%s\t%s\t%s\n" "$name" "$rc" "$((SECONDS - start))" >> "$SUMMARY"
     echo "rc=$rc ($((SECONDS - start)) s)" | tee -a "$LOG"

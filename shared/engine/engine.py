@@ -37,7 +37,8 @@ from tandem.engine.spec_decode import SpeculativeConfig
 
 # With a prompt cap (`prompt_tokens_while_decoding`): lift it once a prompt has waited this many milliseconds, and
 # to this many prompt tokens rather than the whole budget (experiments: docs/architecture.md).
-# 0 or 1 over `EngineConfig.async_scheduling` (the A/B in benchmarks/gpu/run.sh).
+# 0 or 1 over `EngineConfig.async_scheduling`: how a served stack turns it on (its workers inherit the variable),
+# and the A/B in benchmarks/gpu/run.sh.
 ASYNC_SCHEDULING_ENV = "TANDEM_ASYNC_SCHEDULING"
 CAP_MAX_WAIT_ENV = "TANDEM_PROMPT_CAP_MAX_WAIT_MS"
 CAP_LIFT_ENV = "TANDEM_PROMPT_CAP_LIFT"
@@ -108,12 +109,11 @@ class Engine:
         # per step), or None when nothing is to export.
         self.on_prefill_step: Callable[[list[tuple[Request, int, int]]], Callable[[int], None] | None] | None = None
         # Async scheduling (docs/architecture.md): consecutive pure decode steps are launched one ahead, the next
-        # step's inputs built and queued while the GPU runs this one; None: on with CUDA graphs on a GPU.
+        # step's inputs built and queued while the GPU runs this one. Not with speculation (a step's proposals
+        # depend on the tokens of the one before).
         async_scheduling = config.async_scheduling
-        if ASYNC_SCHEDULING_ENV in os.environ:
+        if os.environ.get(ASYNC_SCHEDULING_ENV):
             async_scheduling = bool(env_number(ASYNC_SCHEDULING_ENV, 0, int))
-        if async_scheduling is None:
-            async_scheduling = self.runner.graphs is not None
         self.async_scheduling = async_scheduling and speculative is None
         self._in_flight: LaunchedDecode | None = None
 
@@ -253,19 +253,20 @@ class Engine:
         and apply its tokens: the host's work for step N+1 and for step N's tokens overlaps N+1's forward."""
         current = self._in_flight
         assert current is not None
+        self._in_flight = None
         try:
             self._in_flight = self._launch_next(current)
             token_ids, logprobs = current.result()
+            # Requests aborted, or ended by a token of the step before, while this one ran: their rows are dropped.
+            live = [r.status is RequestStatus.RUNNING for r in current.requests]
+            finished = self.scheduler.update_decodes(current.requests, token_ids, logprobs)
         except BaseException:
-            for launched in (current, self._in_flight):
-                if launched is not None:
-                    self.block_pool.free(launched.pinned)
-            self._in_flight = None
+            if self._in_flight is not None:  # a failed step fails what is in flight (the caller aborts it)
+                self.block_pool.free(self._in_flight.pinned)
+                self._in_flight = None
             raise
-        # Requests aborted, or ended by a token of the step before, while this one ran: their rows are dropped.
-        live = [r.status is RequestStatus.RUNNING for r in current.requests]
-        finished = self.scheduler.update_decodes(current.requests, token_ids, logprobs)
-        self.block_pool.free(current.pinned)
+        finally:
+            self.block_pool.free(current.pinned)
         for request in finished:
             self.requests.pop(request.req_id, None)
         requests = [r for r, is_live in zip(current.requests, live, strict=True) if is_live]

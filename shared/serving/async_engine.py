@@ -284,11 +284,12 @@ class AsyncEngine:
 
     def _fail_all(self, error: Exception) -> None:
         failure = EngineFailure(f"engine step failed: {error}")
-        for req_id, stream in list(self._streams.items()):
+        streams = list(self._streams.items())
+        # Everything is aborted before any stream hears of it: a client that sees the failure finds nothing held.
+        for req_id in {*self.engine.requests, *(req_id for req_id, _ in streams)}:
+            self.engine.abort(req_id)
+        for _, stream in streams:
             stream.put(failure)
-            self.engine.abort(req_id)
-        for req_id in list(self.engine.requests):
-            self.engine.abort(req_id)
 
 
 def _dispatch(by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]]) -> None:

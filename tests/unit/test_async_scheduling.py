@@ -19,6 +19,11 @@ from tests.factories import hf_greedy, prompts_for, save_random_hf_model
 VOCAB = 512
 
 
+@pytest.fixture(autouse=True)
+def no_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TANDEM_ASYNC_SCHEDULING", raising=False)  # the tests choose on or off themselves
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     path = tmp_path_factory.mktemp("async-model")
@@ -151,3 +156,16 @@ def test_any_order_of_arrivals_aborts_and_steps(model_dir, events) -> None:
         assert request.output_token_ids == hf_greedy(hf, prompts[index], max_tokens), req_id
     assert engine.num_free_blocks == engine.num_total_blocks
     engine.block_pool.check_integrity()
+
+
+def test_the_variable_turns_it_on_for_served_workers(model_dir, monkeypatch) -> None:
+    from tandem.common.config import ConfigError
+
+    path, _ = model_dir
+    monkeypatch.setenv("TANDEM_ASYNC_SCHEDULING", "1")
+    assert llm(path, False).engine.async_scheduling
+    monkeypatch.setenv("TANDEM_ASYNC_SCHEDULING", "0")
+    assert not llm(path, True).engine.async_scheduling
+    monkeypatch.setenv("TANDEM_ASYNC_SCHEDULING", "yes")
+    with pytest.raises(ConfigError, match="TANDEM_ASYNC_SCHEDULING"):
+        llm(path, True)
