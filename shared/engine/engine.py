@@ -35,11 +35,11 @@ from tandem.engine.runner import LaunchedDecode, ModelRunner
 from tandem.engine.scheduler import Scheduler, num_blocks_for
 from tandem.engine.spec_decode import SpeculativeConfig
 
-# With a prompt cap (`prompt_tokens_while_decoding`): lift it once a prompt has waited this many milliseconds, and
-# to this many prompt tokens rather than the whole budget (experiments: docs/architecture.md).
 # 0 or 1 over `EngineConfig.async_scheduling`: how a served stack turns it on (its workers inherit the variable),
 # and the A/B in benchmarks/gpu/run.sh.
 ASYNC_SCHEDULING_ENV = "TANDEM_ASYNC_SCHEDULING"
+# With a prompt cap (`prompt_tokens_while_decoding`): lift it once a prompt has waited this many milliseconds, and
+# to this many prompt tokens rather than the whole budget (experiments: docs/architecture.md).
 CAP_MAX_WAIT_ENV = "TANDEM_PROMPT_CAP_MAX_WAIT_MS"
 CAP_LIFT_ENV = "TANDEM_PROMPT_CAP_LIFT"
 
