@@ -1,7 +1,7 @@
 """One PNG comparing deployment modes from `serve_modes` JSON files: TTFT p50, ITL p99 and goodput per rate.
 
     python -m tandem.benchmarks.plot_serve_modes serve-colocated.json serve-disagg.json serve-split-60.json \\
-        --out serve-modes.png
+        --out serve-modes.png [--labels "colocated,disaggregated,MPS 60/40"]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--labels", help="comma-separated, one per file (default: each file's mode)")
     args = parser.parse_args()
 
     import matplotlib
@@ -23,14 +24,17 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     reports = [json.loads(path.read_text()) for path in args.files]
+    labels = args.labels.split(",") if args.labels else [report["mode"] for report in reports]
+    if len(labels) != len(reports):
+        parser.error(f"--labels: {len(labels)} labels for {len(reports)} files")
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     panels = (("TTFT p50 (ms)", lambda r: r["ttft_s"]["p50"] * 1e3),
               ("inter-token latency p99 (ms)", lambda r: r["itl_s"]["p99"] * 1e3),
               ("goodput (req/s, TTFT ≤ 200 ms, TPOT ≤ 50 ms)", lambda r: r["goodput_rps"]))
     for ax, (title, value) in zip(axes, panels, strict=True):
-        for report in reports:
+        for report, label in zip(reports, labels, strict=True):
             rates = [r["rate"] for r in report["results"]]
-            ax.plot(rates, [value(r) for r in report["results"]], marker="o", label=report["mode"])
+            ax.plot(rates, [value(r) for r in report["results"]], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("request rate (req/s)")
         ax.set_title(title, fontsize=10)

@@ -5,8 +5,11 @@
 
 Modes, all on one machine (and one GPU):
 - `colocated`: one decode worker that prefills its own prompts (no prefill worker);
-- `disagg`: one prefill and one decode worker time-sharing the GPU (cuda-ipc handoff on a GPU);
-- `split:P`: the same, with the GPU's SMs partitioned by CUDA MPS: P% to prefill (`tandem up --gpu-split P`).
+- `disagg`: one prefill and one decode worker sharing the GPU as `tandem up` does by default (CUDA MPS, neither
+  capped, where MPS is installed; cuda-ipc handoff on a GPU);
+- `timeshared`: the same, time-sharing the GPU (`--gpu-split off`);
+- `split:P` or `split:P:D`: under CUDA MPS, P% of the SMs to prefill and the rest (or D%) to decode
+  (`tandem up --gpu-split P[:D]`; `split:100:100` is the default's).
 
 Writes the serve benchmark's JSON (TTFT, TPOT, ITL, e2e percentiles, throughput, goodput per rate) with the mode,
 the stack's first-request TTFT (cold) against the steady-state median, and prints the table last.
@@ -40,9 +43,11 @@ def stack_command(mode: str, model: str, device: str, port: int, http_port: int,
         return command + ["--prefill", "0"]
     if mode == "disagg":
         return command + ["--prefill", "1"]
+    if mode == "timeshared":
+        return command + ["--prefill", "1", "--gpu-split", "off"]
     if mode.startswith("split:"):
         return command + ["--prefill", "1", "--gpu-split", mode.removeprefix("split:")]
-    raise SystemExit(f"--mode: colocated, disagg or split:P, got {mode!r}")
+    raise SystemExit(f"--mode: colocated, disagg, timeshared or split:P[:D], got {mode!r}")
 
 
 @contextlib.contextmanager

@@ -171,7 +171,8 @@ class KVPuller:
                             engine.publish(request_done)
                         return any(r.req_id == req_id for r in activated)
 
-                    if not await engine.call(activate):
+                    # May run while a decode step computes: the first token goes out without waiting for it.
+                    if not await engine.call(activate, mid_step=True):
                         # It waits for requests whose blocks it shares (or computes its prompt here): bounded.
                         asyncio.get_running_loop().call_later(
                             SHARED_PREFIX_MAX_WAIT_S, engine.post, lambda e: e.expire_shared_wait(req_id))

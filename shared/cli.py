@@ -180,6 +180,10 @@ PromptCapOpt = Annotated[int | None, typer.Option(
 ChunkedOpt = Annotated[bool, typer.Option(
     "--chunked-prefill/--no-chunked-prefill",
     help="Compute long prompts in chunks, in steps shared with decode tokens.", rich_help_panel=EngineGroup)]
+AsyncSchedulingOpt = Annotated[bool | None, typer.Option(
+    "--async-scheduling/--no-async-scheduling",
+    help="Launch each pure decode step before the previous one's tokens are read (vLLM's --async-scheduling). "
+         "Default: on for CUDA, off on the CPU.", rich_help_panel=EngineGroup, show_default=False)]
 SpeculativeOpt = Annotated[str | None, typer.Option(
     help='Speculative decoding, vLLM\'s config as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
          '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'. Default: off.', rich_help_panel=EngineGroup)]
@@ -203,6 +207,7 @@ def prefill(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port:
             prompt_tokens_while_decoding: PromptCapOpt = None,
             chunked_prefill: ChunkedOpt = True, prefix_caching: PrefixCachingOpt = True,
             quantization: QuantizationOpt = None, kv_cache_dtype: KvCacheDtypeOpt = "auto",
+            async_scheduling: AsyncSchedulingOpt = None,
             tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
             internal_token_file: InternalTokenFileOpt = None, insecure: InsecureOpt = False,
             ) -> None:
@@ -214,7 +219,8 @@ def prefill(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port:
                  max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction,
                  max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
                  prompt_tokens_while_decoding=prompt_tokens_while_decoding,
-                 enable_prefix_caching=prefix_caching, quantization=quantization, kv_cache_dtype=kv_cache_dtype),
+                 enable_prefix_caching=prefix_caching, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                 async_scheduling=async_scheduling),
             threads)
 
 
@@ -228,7 +234,7 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
            prompt_tokens_while_decoding: PromptCapOpt = None,
            chunked_prefill: ChunkedOpt = True, prefix_caching: PrefixCachingOpt = True,
            quantization: QuantizationOpt = None, kv_cache_dtype: KvCacheDtypeOpt = "auto",
-           speculative_config: SpeculativeOpt = None,
+           async_scheduling: AsyncSchedulingOpt = None, speculative_config: SpeculativeOpt = None,
            max_queued: Annotated[int, typer.Option(
                help="Requests accepted but not yet running (incl. waiting for blocks); past it RESOURCE_EXHAUSTED."
            )] = 1024,
@@ -249,7 +255,8 @@ def decode(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port: 
                  max_num_seqs=max_num_seqs, gpu_memory_fraction=gpu_memory_fraction,
                  max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
                  prompt_tokens_while_decoding=prompt_tokens_while_decoding,
-                 enable_prefix_caching=prefix_caching, quantization=quantization, kv_cache_dtype=kv_cache_dtype),
+                 enable_prefix_caching=prefix_caching, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                 async_scheduling=async_scheduling),
             threads, kv_transport, max_queued, prefill, speculative_config)
 
 
@@ -418,13 +425,17 @@ def up(
     gpu_memory_fraction: Annotated[float | None, typer.Option(
         help="GPU share per worker (default: 0.85 split evenly between the workers sharing the GPU).")] = None,
     max_num_seqs: Annotated[int, typer.Option(help="Decode batch cap per worker.")] = 256,
-    gpu_split: Annotated[int | None, typer.Option(
-        min=1, max=99, help="Partition the GPU's SMs with CUDA MPS: prefill workers get this percentage, decode "
-                            "workers the rest (tandem runs its own MPS daemon). Default: time-sharing.")] = None,
+    gpu_split: Annotated[str, typer.Option(
+        help="How prefill and decode workers share one GPU. auto: CUDA MPS with neither capped, when installed (tandem "
+             "runs its own daemon), else time-sharing; off: time-sharing; P: MPS with P% of the SMs for prefill "
+             "workers and the rest for decode workers; P:D caps each role separately (100:100 is auto's).")] = "auto",
+    gpu_split_low_priority: Annotated[str | None, typer.Option(
+        help="With --gpu-split: run this role (prefill or decode) at MPS's lower client priority.",
+        show_default=False)] = None,
     max_num_batched_tokens: BatchedTokensOpt = None, chunked_prefill: ChunkedOpt = True,
     prompt_tokens_while_decoding: PromptCapOpt = None, prefix_caching: PrefixCachingOpt = True,
     quantization: QuantizationOpt = None, kv_cache_dtype: KvCacheDtypeOpt = "auto",
-    speculative_config: SpeculativeOpt = None,
+    async_scheduling: AsyncSchedulingOpt = None, speculative_config: SpeculativeOpt = None,
     max_request_bytes: Annotated[int | None, typer.Option(
         help="The gateway's largest HTTP body / gRPC message (default: the gateway's, 16 MiB).",
         rich_help_panel=LimitsGroup, show_default=False)] = None,
@@ -438,17 +449,27 @@ def up(
 ) -> None:
     """Start a gateway, N prefill and M decode workers (one process each), until Ctrl-C/SIGTERM."""
     from tandem.launcher import Stack, StackOptions
+    from tandem.mps import GpuSplit
 
+    split = None
+    if gpu_split not in ("auto", "off"):
+        try:
+            split = GpuSplit.parse(gpu_split, gpu_split_low_priority)
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--gpu-split") from None
+    elif gpu_split_low_priority is not None:
+        raise typer.BadParameter("needs --gpu-split P or P:D", param_hint="--gpu-split-low-priority")
     options = StackOptions(model=model, num_prefill=prefill, num_decode=decode, redis_url=redis, device=device,
                            threads=threads, host=host, gateway_port=port, gateway_http_port=http_port,
                            num_kv_blocks=num_kv_blocks, max_model_len=max_model_len, status_file=status_file,
                            kv_transport=kv_transport, gpu_memory_fraction=gpu_memory_fraction,
-                           max_num_seqs=max_num_seqs, gpu_split=gpu_split,
+                           max_num_seqs=max_num_seqs, gpu_split=split, auto_mps=gpu_split == "auto",
                            max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
                            prompt_tokens_while_decoding=prompt_tokens_while_decoding,
                            enable_prefix_caching=prefix_caching, speculative_config=speculative_config,
                            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                           max_request_bytes=max_request_bytes, decode_stall_timeout_s=decode_stall_timeout,
+                           async_scheduling=async_scheduling, max_request_bytes=max_request_bytes,
+                           decode_stall_timeout_s=decode_stall_timeout,
                            stream_interval=stream_interval, gateway_workers=gateway_workers)
     raise typer.Exit(Stack(options).run(demo=demo, exit_after_demo=exit_after_demo))
 

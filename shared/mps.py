@@ -1,9 +1,12 @@
-"""SM partitioning of one GPU between prefill and decode workers through CUDA MPS (`tandem up --gpu-split P`).
+"""Sharing one GPU between prefill and decode workers through CUDA MPS (`tandem up --gpu-split P[:D]`).
 
 tandem starts its own MPS control daemon with its own pipe and log directories (so it never touches another
 user's daemon) and stops it afterwards; it never changes the GPU's compute mode. Each worker process joins it
 through `CUDA_MPS_PIPE_DIRECTORY` and is limited to a share of the SMs by `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`:
-P% for prefill workers, (100 - P)% for decode workers.
+P% for prefill workers and D% (by default 100 - P) for decode workers. The shares are caps, not reservations:
+`100:100` lets both run kernels side by side on every SM (MPS without partitioning), where plain time-sharing
+gives the GPU to one process at a time. A role may also run at MPS's lower client priority
+(`CUDA_MPS_CLIENT_PRIORITY=1`), so the other's kernels are scheduled first when both have work.
 """
 
 from __future__ import annotations
@@ -16,18 +19,51 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CONTROL = "nvidia-cuda-mps-control"
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class GpuSplit:
+    """Each role's SM cap in percent, and which role (if any) runs at the lower MPS client priority."""
+
+    prefill_percentage: int
+    decode_percentage: int
+    low_priority_role: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_percentage", "decode_percentage"):
+            value = getattr(self, name)
+            if not 1 <= value <= 100:
+                raise ValueError(f"gpu_split: {name} must be in [1, 100], got {value}")
+        if self.low_priority_role not in (None, *ROLES):
+            raise ValueError(f"gpu_split: low_priority_role must be prefill or decode, got {self.low_priority_role!r}")
+
+    @classmethod
+    def parse(cls, text: str, low_priority_role: str | None = None) -> GpuSplit:
+        """`P` (prefill P%, decode the rest; 1 <= P <= 99) or `P:D` (each 1..100)."""
+        parts = text.split(":")
+        try:
+            values = [int(part) for part in parts]
+        except ValueError:
+            raise ValueError(f"gpu_split: expected P or P:D (percentages), got {text!r}") from None
+        if len(values) == 1:
+            if not 1 <= values[0] <= 99:
+                raise ValueError(f"gpu_split: P must be in [1, 99] (decode gets 100 - P), got {text!r}")
+            return cls(values[0], 100 - values[0], low_priority_role)
+        if len(values) == 2:
+            return cls(values[0], values[1], low_priority_role)
+        raise ValueError(f"gpu_split: expected P or P:D (percentages), got {text!r}")
+
+    def percentage(self, role: str) -> int:
+        return self.prefill_percentage if role == "prefill" else self.decode_percentage
 
 
 @dataclass
 class MpsDaemon:
     """An MPS control daemon of tandem's own. `start()` then `env_for(role)` per worker, `stop()` at the end."""
 
-    prefill_percentage: int
+    split: GpuSplit
     directory: Path | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 < self.prefill_percentage < 100:
-            raise ValueError(f"gpu_split must be in (0, 100), got {self.prefill_percentage}")
 
     @property
     def _env(self) -> dict[str, str]:
@@ -45,10 +81,12 @@ class MpsDaemon:
 
     def env_for(self, role: str) -> dict[str, str]:
         """What a worker of `role` needs in its environment (nothing for the gateway: it has no GPU work)."""
-        if role not in ("prefill", "decode"):
+        if role not in ROLES:
             return {}
-        share = self.prefill_percentage if role == "prefill" else 100 - self.prefill_percentage
-        return {**self._env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)}
+        env = {**self._env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(self.split.percentage(role))}
+        if role == self.split.low_priority_role:
+            env["CUDA_MPS_CLIENT_PRIORITY"] = "1"  # below normal
+        return env
 
     def stop(self) -> None:
         if self.directory is None:

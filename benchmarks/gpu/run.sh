@@ -28,6 +28,11 @@
 #   policy3  the prompt cap lifted after a 50 ms wait (to 896 tokens or the whole budget) vs the defaults, ~7 min
 #   prefix2  the prefix workloads twice, 64 random prompts (#17's no-loss target), ~5 min
 #   async    async scheduling on vs off (TANDEM_ASYNC_SCHEDULING): its GPU test, #15's stack rows, ~6 min
+#   async2   the 8B row with async scheduling: GPU test, offline engine on/off, the stack row with stacks, ~5 min
+#   mps      one GPU under MPS without partitioning (and each role at the lower priority) vs colocated and
+#            time-shared, 2 and 32 req/s, ~6 min
+#   mps_full the 8B async row after its fix; colocated vs MPS (100:100) at 2-48 req/s; MPS spans, ~9 min
+#   defaults colocated vs disaggregated with the 12-03 defaults (async, MPS, mid-step admission), ~5 min
 #   gc       the collector settled after start-up vs Python's default (gateway alone, #15's 1B rows), and the
 #            random-prompt workload alone with the cache on/off in both orders (#17), ~7 min
 #
@@ -79,12 +84,13 @@ step() {
     # a step that hangs says where; the services' logs (with their stacks) are kept beside the step's.
     local since
     since=$(date +%s)
-    ( sleep $((limit > 20 ? limit - 10 : limit)); pkill -USR1 -f "tandem[.](cli|benchmarks)" ) &
+    # (Python processes only: `timeout`'s own command line names the module too, and USR1 would kill it.)
+    ( sleep $((limit > 20 ? limit - 10 : limit)); pkill -USR1 -f "^[^ ]*python[^ ]* -m tandem[.](cli|benchmarks)" ) &
     local watchdog=$!
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     kill "$watchdog" 2> /dev/null
-    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    if [ "$rc" != 0 ]; then
         mkdir -p "$OUT/$name-service-logs"
         find "${TANDEM_HOME:-$HOME/.cache/tandem}/logs" -type f -newermt "@$since" \
             -exec cp --backup=numbered -t "$OUT/$name-service-logs" {} + 2> /dev/null
@@ -268,15 +274,16 @@ suite_diag() {
 }
 
 span_phases() {  # MODE: the serve benchmark at 2 req/s with every span printed into the logs, then per phase
-    step "spans-$1" 150 env OTEL_TRACES_EXPORTER=console $PY -m tandem.benchmarks.serve_modes --mode "$1" \
+    local tag=${1//:/-}
+    step "spans-$tag" 150 env OTEL_TRACES_EXPORTER=console $PY -m tandem.benchmarks.serve_modes --mode "$1" \
         --model "$BIG" --device "$DEVICE" --max-num-seqs "$(n "${SPAN_SEQS:-64}" 8)" --rates 2 --num-requests "$(n 32 4)" \
-        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/spans-serve-$1.json"
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/spans-serve-$tag.json"
     local logs
     logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
-    step "phases-$1" 60 $PY -m tandem.benchmarks.span_phases "$logs" --out "$OUT/phases-$1.json"
+    step "phases-$tag" 60 $PY -m tandem.benchmarks.span_phases "$logs" --out "$OUT/phases-$tag.json"
     # Triton compiles each worker counted while starting, and any a request waited for (the compile watch).
-    grep -h 'Triton compiled' "$logs"/*.log > "$OUT/compiles-$1.log" 2>/dev/null
-    cat "$OUT/compiles-$1.log" | tee -a "$LOG" | cut -c1-400
+    grep -h 'Triton compiled' "$logs"/*.log > "$OUT/compiles-$tag.log" 2>/dev/null
+    cat "$OUT/compiles-$tag.log" | tee -a "$LOG" | cut -c1-400
 }
 
 # After the budget and warm-up changes: the engine alone at 2 req/s (no compile while serving?), the colocated serve
@@ -511,6 +518,66 @@ suite_async() {
     done
     for v in 0 1; do
         TANDEM_ASYNC_SCHEDULING=$v stack_row "8b-256-w4-async$v" "$BIG" 1024 256 4
+    done
+}
+
+# 2026-12-03: where the 8B row stops with async scheduling on (it did not finish in 170 s on 12-02): the GPU equality
+# test (its pool now sized), the offline engine alone on the 8B row's workload (progress bar in the log), on and off,
+# then the stack row with async on (stacks of every tandem process ten seconds before its limit). ~5 min.
+suite_async2() {
+    step async-gpu-test 150 $PY -m pytest -q -x --confcutdir=tests/kernels -p no:cacheprovider \
+        tests/kernels/test_async_scheduling_gpu.py
+    local E="$PY -m tandem.benchmarks.gpu_engine"
+    [ "$SCALE" = 1 ] || E="env TRITON_INTERPRET=1 $E"
+    for v in 1 0; do
+        mkdir -p "$OUT/offline-8b-async$v"
+        TANDEM_ASYNC_SCHEDULING=$v step "offline-8b-async$v" 100 $E offline $DRY --model "$BIG" \
+            --num-requests "$(n 256 8)" --prompt-len "$(n 1024 32)" --max-tokens "$(n 256 8)" \
+            --out "$OUT/offline-8b-async$v"
+    done
+    TANDEM_ASYNC_SCHEDULING=1 stack_row "8b-256-w4-async1" "$BIG" 1024 256 4
+}
+
+# 2026-12-03 (#14): one GPU shared through MPS without partitioning (both roles capped at 100% of the SMs, kernels of
+# both side by side), also with either role at MPS's lower client priority, against colocated and time-shared, same
+# lease, 2 and 32 req/s. ~6 min.
+suite_mps() {
+    for mode in colocated disagg split:100:100; do
+        serve_mps "$mode" ""
+    done
+    serve_mps split:100:100 "--gpu-split-low-priority decode" decode-low
+    serve_mps split:100:100 "--gpu-split-low-priority prefill" prefill-low
+}
+
+serve_mps() {  # MODE STACK_ARGS [SUFFIX]
+    local name="mps-${1//:/-}${3:+-$3}"
+    step "$name" 130 $PY -m tandem.benchmarks.serve_modes --mode "$1" --model "$BIG" --device "$DEVICE" \
+        --max-num-seqs "$(n 128 8)" --rates "$(n 2,32 4)" --num-requests "$(n 48 4)" \
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --stack-args "$2" --out "$OUT/$name.json"
+}
+
+# 2026-12-03, after `async2` and `mps`: the 8B stack row with async scheduling after the fix of lost reservations
+# (on, then off, same lease); #14's benchmark, colocated against MPS without partitioning at 2-48 req/s (128 requests
+# per rate); where the MPS stack's TTFT goes at 2 req/s (spans per phase). ~9 min.
+suite_mps_full() {
+    TANDEM_ASYNC_SCHEDULING=1 stack_row "8b-256-w4-async1-fixed" "$BIG" 1024 256 4
+    TANDEM_ASYNC_SCHEDULING=0 stack_row "8b-256-w4-async0" "$BIG" 1024 256 4
+    for mode in colocated split:100:100; do
+        step "serve-full-${mode//:/-}" 200 $PY -m tandem.benchmarks.serve_modes --mode "$mode" --model "$BIG" \
+            --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" --num-requests "$(n 128 4)" \
+            --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-full-${mode//:/-}.json"
+    done
+    span_phases split:100:100
+}
+
+# 2026-12-03, the new defaults (async scheduling on for CUDA, one-GPU disaggregation through MPS without caps, a
+# request's admission and activation run while a launched decode step computes): #14's benchmark, colocated against
+# disaggregated, each with `tandem up`'s defaults, 2-48 req/s, 128 requests per rate. ~5 min.
+suite_defaults() {
+    for mode in colocated disagg; do
+        step "serve-defaults-$mode" 200 $PY -m tandem.benchmarks.serve_modes --mode "$mode" --model "$BIG" \
+            --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" --num-requests "$(n 128 4)" \
+            --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-defaults-$mode.json"
     done
 }
 

@@ -236,8 +236,9 @@ class EngineConfig:
     # With use_cuda_graphs: steps with prompt tokens replay captured pieces around eager attentions (PiecewiseGraphs).
     piecewise_cuda_graphs: bool = True
     # Launch consecutive pure decode steps one ahead (the next step's inputs are built while the GPU runs this one).
-    # Off until its H200 run of the 8B stack row is understood (docs/architecture.md, "Async scheduling").
-    async_scheduling: bool = False
+    # None: on for CUDA, off on the CPU (a launch there computes the whole step, so it would only hold tokens back
+    # a step); resolved to a bool here (docs/architecture.md, "Async scheduling").
+    async_scheduling: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -247,6 +248,8 @@ class EngineConfig:
             raise ConfigError(f"device must be cpu or cuda[:N], got {self.device!r}")
         # The budget is resolved for the device here, once: everything after reads a number.
         object.__setattr__(self, "scheduler", self.scheduler.resolved(self.device))
+        if self.async_scheduling is None:
+            object.__setattr__(self, "async_scheduling", self.device.startswith("cuda"))
         if self.max_model_len > self.model.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len ({self.max_model_len}) exceeds the model's context "
@@ -271,7 +274,7 @@ class EngineConfig:
                prompt_tokens_while_decoding: int | None = None,
                enable_prefix_caching: bool = True, use_triton: bool = True, use_cuda_graphs: bool = True,
                piecewise_cuda_graphs: bool = True, seed: int = 0, quantization: str | None = None,
-               kv_cache_dtype: str = "auto", async_scheduling: bool = False) -> EngineConfig:
+               kv_cache_dtype: str = "auto", async_scheduling: bool | None = None) -> EngineConfig:
         """The one place flat settings (flags, `LLM(...)` keywords) become the nested config. `quantization` set
         replaces the model's (None keeps it: unquantized unless the ModelConfig says otherwise)."""
         if quantization is not None:

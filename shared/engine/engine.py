@@ -114,8 +114,11 @@ class Engine:
         async_scheduling = config.async_scheduling
         if os.environ.get(ASYNC_SCHEDULING_ENV):
             async_scheduling = bool(env_number(ASYNC_SCHEDULING_ENV, 0, int))
-        self.async_scheduling = async_scheduling and speculative is None
+        self.async_scheduling = bool(async_scheduling) and speculative is None
         self._in_flight: LaunchedDecode | None = None
+        # How the host waits for a launched step: given "is it done?" and "block until it is" (the service's engine
+        # thread runs queued commands meanwhile); None: block.
+        self.wait_for_step: Callable[[Callable[[], bool], Callable[[], None]], None] | None = None
 
     # -- properties the services report -----------------------------------------------------------
     @property
@@ -220,7 +223,11 @@ class Engine:
         is_prefill = output.is_prefill
         if self.async_scheduling and output.is_pure_decode:
             self._in_flight = self.runner.launch_decode(output.requests)
-            return self._read_in_flight()
+            result = self._read_in_flight()
+            # This step's admission may have reserved blocks for remote prefills beside its decodes: their
+            # callers start the transfers (dropped, a reserved request waited for its pages forever).
+            result.reserved = output.reserved
+            return result
         hook = None
         if is_prefill and self.on_prefill_step is not None:
             hook = self.on_prefill_step([(r, r.num_computed_tokens, n)
@@ -256,7 +263,7 @@ class Engine:
         self._in_flight = None
         try:
             self._in_flight = self._launch_next(current)
-            token_ids, logprobs = current.result()
+            token_ids, logprobs = current.result(self.wait_for_step)
             # Requests aborted, or ended by a token of the step before, while this one ran: their rows are dropped.
             live = [r.status is RequestStatus.RUNNING for r in current.requests]
             finished = self.scheduler.update_decodes(current.requests, token_ids, logprobs)

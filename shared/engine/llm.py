@@ -53,7 +53,7 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None,
                  gpu_memory_fraction: float = 0.85, use_triton: bool = True, use_cuda_graphs: bool = True,
                  piecewise_cuda_graphs: bool = True, seed: int = 0, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", async_scheduling: bool = False,
+                 kv_cache_dtype: str = "auto", async_scheduling: bool | None = None,
                  cache_dir: Path | None = None) -> None:
         model_config = load_model_config(model, cache_dir=cache_dir)
         if max_num_batched_tokens is None and enable_chunked_prefill and device.startswith("cuda"):

@@ -72,10 +72,14 @@ class LaunchedDecode:
     done: torch.cuda.Event | None  # None on the CPU (the step ran to its end when launched)
     pinned: list[int]
 
-    def result(self) -> tuple[list[list[int]], list[list[float]]]:
-        """Waits for the step (not for any launched after it) and returns its tokens as `execute` does."""
+    def result(self, wait: Callable[[Callable[[], bool], Callable[[], None]], None] | None = None
+               ) -> tuple[list[list[int]], list[list[float]]]:
+        """Waits for the step (not for any launched after it) and returns its tokens as `execute` does. `wait`: how to
+        wait, given "is it done?" and "block until it is" (`Engine.wait_for_step`)."""
         if self.done is not None:
-            self.done.synchronize()
+            if wait is not None:
+                wait(self.done.query, self.done.synchronize)
+            self.done.synchronize()  # a no-op once done
         return [[t] for t in self.host_token_ids.tolist()], [[p] for p in self.host_logprobs.tolist()]
 
 

@@ -4,6 +4,11 @@ The engine is single-threaded by design (one owner of the queues and the KV tens
 asked by a service (add, abort, reserve, write pages, activate, release) is queued as a command and
 runs on the engine thread between steps, in order. Torch releases the GIL while it computes, so the
 event loop keeps serving gRPC streams during a step.
+
+A few commands may also run while a launched decode step is on the GPU (`call(..., mid_step=True)`: adding a
+request, and the activation of one whose pages have landed), so that a request's admission and its first token do
+not wait for the step in flight (a decode step of a large batch takes 10-20 ms). They run in order with everything
+else: the engine thread runs the queue's head while the step computes only as long as the head may run then.
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +29,11 @@ from tandem.engine.request import Request
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# While a launched step computes and no command is queued, the engine thread checks the step this often (and at
+# once when a command arrives): the longest its read of a finished step is delayed, while the next one, already
+# launched, keeps the GPU busy.
+MID_STEP_POLL_S = 200e-6
 
 
 class EngineFailure(UnavailableError):
@@ -117,18 +126,22 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, name: str = "engine") -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        # (command, may it run while a launched step computes); appended by any thread, popped by the engine thread.
+        self._commands: collections.deque[tuple[Callable[[], None], bool]] = collections.deque()
         self._streams: dict[str, RequestStream] = {}
         self._stopping = False
         self._wake = threading.Event()
         # Called on the engine thread after each step, before its tokens are published (metrics, traces).
         self.on_step: Callable[[StepResult, float], None] | None = None
+        engine.wait_for_step = self._wait_for_step
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     # -- service side (event loop) -------------------------------------------------------------------
-    async def call(self, fn: Callable[[Engine], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps and return its result."""
+    async def call(self, fn: Callable[[Engine], T], mid_step: bool = False) -> T:
+        """Run `fn(engine)` on the engine thread between steps and return its result. `mid_step`: it may also run
+        while a launched decode step computes (it must not free or write blocks a step may use: adding requests,
+        reserving and activating do not)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
@@ -140,7 +153,7 @@ class AsyncEngine:
             else:
                 loop.call_soon_threadsafe(_set_result, future, result)
 
-        self._submit(command)
+        self._submit(command, mid_step)
         return await future
 
     def post(self, fn: Callable[[Engine], None]) -> None:
@@ -241,19 +254,33 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     # -- engine thread ------------------------------------------------------------------------------------
-    def _submit(self, command: Callable[[], None]) -> None:
-        self._commands.put(command)
+    def _submit(self, command: Callable[[], None], mid_step: bool = False) -> None:
+        self._commands.append((command, mid_step))
         self._wake.set()
 
+    def _wait_for_step(self, is_done: Callable[[], bool], synchronize: Callable[[], None]) -> None:
+        """Engine thread, a launched step on the GPU (`Engine.wait_for_step`): until it is done, run the commands at
+        the head of the queue that may run now, and the reservations they allow; once the head must wait for the
+        step's end, so does everything behind it: then block on the step."""
+        commands = self._commands
+        while not is_done():
+            if commands:
+                if not commands[0][1]:
+                    synchronize()
+                    return
+                while commands and commands[0][1]:
+                    commands.popleft()[0]()
+                self._reserve_waiting()
+                continue
+            self._wake.wait(MID_STEP_POLL_S)
+            self._wake.clear()  # a command appended before this is seen by the check above
+
     def _run(self) -> None:
+        commands = self._commands
         while not self._stopping:
             self._wake.clear()
-            while True:
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                command()
+            while commands:
+                commands.popleft()[0]()
             try:
                 self._reserve_waiting()
             except Exception as exc:  # as a failed step: fail what is in flight rather than strand it

@@ -169,3 +169,30 @@ def test_the_variable_turns_it_on_for_served_workers(model_dir, monkeypatch) -> 
     monkeypatch.setenv("TANDEM_ASYNC_SCHEDULING", "yes")
     with pytest.raises(ConfigError, match="TANDEM_ASYNC_SCHEDULING"):
         llm(path, True)
+
+
+def test_a_reservation_made_by_a_launched_step_is_reported(model_dir) -> None:
+    """A pool too full for the between-steps reservation (it keeps a block free per running request) leaves a
+    remote-prefill request to the next step's admission; when that step is a pure decode step launched ahead, the
+    reservation must still reach the caller, which starts the transfer (lost, the request waited for its pages
+    forever: the H200's 8B stack row with async scheduling, reproduced on the CPU stack)."""
+    path, _ = model_dir
+    engine = LLM(str(path), max_model_len=40, block_size=4, num_kv_blocks=11, async_scheduling=True,
+                 enable_prefix_caching=False).engine
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts_for(VOCAB, [14, 14])):  # 4 blocks each
+        engine.add_request(f"r{i}", prompt, greedy)
+    engine.step()  # their prompts: 3 blocks left free
+    engine.add_request("remote", prompts_for(VOCAB, [8])[0], greedy, remote_prefill=True)  # 2 blocks
+    assert engine.reserve_waiting() == []  # 2 + a block per running request do not fit between steps
+    launches = [0]
+    launch_decode = engine.runner.launch_decode
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        launches[0] += 1
+        return launch_decode(*args)
+
+    engine.runner.launch_decode = counting  # type: ignore[method-assign]
+    result = engine.step()  # decodes r0 and r1 (launched ahead) and admits the remote request beside them
+    assert engine.requests["remote"].block_ids and launches[0] >= 1
+    assert [r.req_id for r in result.reserved] == ["remote"]
