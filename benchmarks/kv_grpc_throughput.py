@@ -4,9 +4,10 @@
 
 The sending process is a Prefill server whose handler computes nothing: it ships the pages of a pool of
 the chosen model's KV shape (default Llama-3.1-8B: 32 layers, 8 KV heads of 128, bf16, 128 KiB per token)
-layer by layer through the prefill service's own path (`PageExporter`: device→host, raw bytes, CRC32,
-chunked messages), then a first token. The receiver is decode's path: `messages_to_pages` (CRC check) and
-a write into its own pool. Time runs from the call to the first token, as the `kv.transfer` span measures
+layer by layer through the prefill service's own path (`PageExporter`: device→host, CRC32, chunked messages
+written in the wire format, its serializer), then a first token. The receiver is decode's path
+(`parse_prefill_response`: views of the received bytes, `messages_to_pages`: CRC check) and a write into its
+own pool. Time runs from the call to the first token, as the `kv.transfer` span measures
 it. On a GPU (`--device cuda`) both pools live on it; on the CPU this is the transport's host cost.
 """
 
@@ -27,7 +28,16 @@ import grpc
 import torch
 
 from tandem.models import load_model_config
-from tandem.serving.kv_transfer import PageExporter, messages_to_pages, page_bytes
+from tandem.prefill_svc.servicer import add_to_server
+from tandem.serving.kv_transfer import (
+    PREFILL_METHOD,
+    PageExporter,
+    PagesView,
+    WirePages,
+    messages_to_pages,
+    page_bytes,
+    parse_prefill_response,
+)
 from tandem.serving.rpc import make_channel, start_server
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -48,27 +58,31 @@ class _Sender(worker_pb2_grpc.PrefillServicer):
         self.pools: dict[int, tuple[torch.Tensor, int]] = {}  # by prompt length: made once, outside the timing
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillResponse]:
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillResponse | bytes]:
         num_tokens = len(request.prompt_token_ids)
         if num_tokens not in self.pools:
             self.pools[num_tokens] = pool_for(self.model, num_tokens, self.device)
         pool, num_blocks = self.pools[num_tokens]
         exporter = PageExporter(pool)
+        start = time.perf_counter()
         loop = asyncio.get_running_loop()
-        ready: asyncio.Queue[list[worker_pb2.KVPages]] = asyncio.Queue()
+        ready: asyncio.Queue[list[WirePages]] = asyncio.Queue()
+        layer_done = exporter.begin_step([("kv", 0, list(range(num_blocks)))], lambda _, messages: (
+            loop.call_soon_threadsafe(ready.put_nowait, messages)))
         for layer in range(pool.shape[0]):
-            exporter.submit(layer, list(range(num_blocks)),
-                            lambda messages: loop.call_soon_threadsafe(ready.put_nowait, messages))
+            layer_done(layer)
         for _ in range(pool.shape[0]):
             for message in await ready.get():
-                yield worker_pb2.PrefillResponse(pages=message)
+                yield message.data
         exporter.close()
+        # When the sender had made (and handed to gRPC) every message: the receiver splits its time by it.
+        context.set_trailing_metadata((("x-sent-s", f"{time.perf_counter() - start:.6f}"),))
         yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(token_id=1))
 
 
 async def _serve(model: str, device: str) -> None:
     def add(server: grpc.aio.Server) -> list[str]:
-        worker_pb2_grpc.add_PrefillServicer_to_server(_Sender(model, device), server)
+        add_to_server(_Sender(model, device), server)
         return ["tandem.v1.Prefill"]
 
     server, port, _ = await start_server("127.0.0.1:0", add)
@@ -85,22 +99,28 @@ async def _receive(port: int, model: str, num_tokens: int, device: str) -> dict[
                       "benchmark")
     index = torch.arange(num_blocks, device=device)
     channel = make_channel(f"127.0.0.1:{port}")
-    stub = worker_pb2_grpc.PrefillStub(channel)
+    prefill = channel.unary_stream(PREFILL_METHOD, request_serializer=worker_pb2.PrefillRequest.SerializeToString,
+                                   response_deserializer=parse_prefill_response)
     start = time.perf_counter()
     num_bytes = 0
-    async for response in stub.Prefill(worker_pb2.PrefillRequest(request_id="kv", prompt_token_ids=[0] * num_tokens)):
-        if response.WhichOneof("kind") == "pages":
-            pages = response.pages
+    busy = 0.0
+    call = prefill(worker_pb2.PrefillRequest(request_id="kv", prompt_token_ids=[0] * num_tokens))
+    async for pages in call:
+        if isinstance(pages, PagesView):
+            began = time.perf_counter()
             k, v = messages_to_pages(pages, layout)
             rows = index[pages.block_start:pages.block_start + pages.num_blocks]
             pool[pages.layer, 0, rows] = k.to(device, non_blocking=True)
             pool[pages.layer, 1, rows] = v.to(device, non_blocking=True)
             num_bytes += page_bytes(pages, layout)
+            busy += time.perf_counter() - began
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    sent = dict(await call.trailing_metadata() or ()).get("x-sent-s")
     await channel.close()
-    return {"tokens": num_tokens, "bytes": num_bytes, "seconds": seconds, "gb_per_s": num_bytes / seconds / 1e9}
+    return {"tokens": num_tokens, "bytes": num_bytes, "seconds": seconds, "gb_per_s": num_bytes / seconds / 1e9,
+            "receiver_busy_s": busy, "sender_done_s": float(sent) if sent else float("nan")}
 
 
 def main() -> None:
@@ -125,10 +145,14 @@ def main() -> None:
             asyncio.run(_receive(port, args.model, num_tokens, args.device))  # the sender makes its pool
             runs = [asyncio.run(_receive(port, args.model, num_tokens, args.device)) for _ in range(args.repeat)]
             best = statistics.median(r["seconds"] for r in runs)
+            busy = statistics.median(r["receiver_busy_s"] for r in runs)
+            sent = statistics.median(r["sender_done_s"] for r in runs)
             rows.append({"tokens": num_tokens, "bytes": runs[0]["bytes"], "median_s": best,
-                         "gb_per_s": runs[0]["bytes"] / best / 1e9, "runs_s": [r["seconds"] for r in runs]})
+                         "gb_per_s": runs[0]["bytes"] / best / 1e9, "runs_s": [r["seconds"] for r in runs],
+                         "receiver_busy_median_s": busy, "sender_done_median_s": sent})
             print(f"{num_tokens:>6} tokens  {runs[0]['bytes'] / 1e6:8.1f} MB  {best * 1e3:8.1f} ms  "
-                  f"{rows[-1]['gb_per_s']:5.2f} GB/s", flush=True)
+                  f"{rows[-1]['gb_per_s']:5.2f} GB/s  (sender done {sent * 1e3:.1f} ms, receiver busy "
+                  f"{busy * 1e3:.1f} ms)", flush=True)
     finally:
         sender.terminate()
         sender.wait()

@@ -8,7 +8,8 @@ The same prompts are prefilled three ways by one engine, interleaved, median of 
 - `mirror`: the cuda-ipc path on one GPU: every layer also stores its K/V into a second pool (the receiver's
   pages); nothing is copied afterwards;
 - `grpc`: every layer hands the step's pages to the `PageExporter` (gather + device→host copy on a side stream,
-  messages made on its thread); `grpc_export_done` is the time until the last message exists.
+  serialized messages written on its thread), and each message is copied once more holding the GIL, as gRPC
+  copies it into its send buffer; `grpc_export_done` is the time until the last of them is made.
 Targets (issue #14): mirror ≤ 1.05× local, grpc ≤ 1.15× local. A step's time includes sampling the first token
 (its host sync ends the step).
 """
@@ -32,7 +33,7 @@ from tandem.common.sampling_params import SamplingParams
 from tandem.engine.engine import Engine
 from tandem.engine.request import KVMirror
 from tandem.models import load_model_config
-from tandem.serving.kv_transfer import EXPORT_SWITCH_INTERVAL_S, PageExporter
+from tandem.serving.kv_transfer import EXPORT_SWITCH_INTERVAL_S, PageExporter, WirePages
 
 
 def _sync(device: torch.device) -> None:
@@ -49,8 +50,11 @@ def measure(engine: Engine, prompts: list[list[int]], mode: str, mirror_layers: 
     engine.on_prefill_step = None
     if mode == "grpc":
         def on_step(chunks: list[Any]) -> Any:
-            return exporter.begin_step([(r.req_id, 0, list(r.block_ids)) for r, _, _ in chunks],
-                                       lambda req_id, messages: counter.append(len(messages)))
+            return exporter.begin_step([(r.req_id, 0, list(r.block_ids)) for r, _, _ in chunks], sent)
+
+        def sent(req_id: str, messages: list[WirePages]) -> None:
+            for message in messages:  # what gRPC's send does with the GIL held: copy the message into a slice
+                counter.append(len(bytearray(message.data)))
         engine.on_prefill_step = on_step  # type: ignore[assignment]
     next_block = 0
     for i, prompt in enumerate(prompts):
@@ -65,6 +69,7 @@ def measure(engine: Engine, prompts: list[list[int]], mode: str, mirror_layers: 
     result = engine.step()
     step_s = time.perf_counter() - start
     assert len(result.requests) == len(prompts), "the batch must fit one step"
+    assert sum(result.num_new_tokens) == sum(map(len, prompts)), "every prompt token must be computed"
     if mode == "grpc":
         exporter.flush().result(timeout=120)
     done_s = time.perf_counter() - start
@@ -90,7 +95,9 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     max_len = max(args.prompt_len + 16, 64)
     config = EngineConfig.create(load_model_config(args.model), device=args.device, num_kv_blocks=args.num_kv_blocks,
-                                 max_model_len=max_len, max_num_batched_tokens=max(batches) * max_len)
+                                 max_model_len=max_len, max_num_batched_tokens=max(batches) * max_len,
+                                 # The same prompts again and again: a prefix cache would compute one token of each.
+                                 enable_prefix_caching=False)
     engine = Engine(config)
     engine.warm_up()
     peer = torch.zeros_like(engine.runner.kv_cache.tensor)

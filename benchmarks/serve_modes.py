@@ -8,6 +8,7 @@ Modes, all on one machine (and one GPU):
 - `disagg`: one prefill and one decode worker sharing the GPU as `tandem up` does by default (CUDA MPS, neither
   capped, where MPS is installed; cuda-ipc handoff on a GPU);
 - `timeshared`: the same, time-sharing the GPU (`--gpu-split off`);
+- `grpc`: `disagg` with the pages going by bytes through gRPC (`--kv-transport grpc`), as between hosts;
 - `split:P` or `split:P:D`: under CUDA MPS, P% of the SMs to prefill and the rest (or D%) to decode
   (`tandem up --gpu-split P[:D]`; `split:100:100` is the default's).
 
@@ -45,9 +46,11 @@ def stack_command(mode: str, model: str, device: str, port: int, http_port: int,
         return command + ["--prefill", "1"]
     if mode == "timeshared":
         return command + ["--prefill", "1", "--gpu-split", "off"]
+    if mode == "grpc":
+        return command + ["--prefill", "1", "--kv-transport", "grpc"]
     if mode.startswith("split:"):
         return command + ["--prefill", "1", "--gpu-split", mode.removeprefix("split:")]
-    raise SystemExit(f"--mode: colocated, disagg, timeshared or split:P[:D], got {mode!r}")
+    raise SystemExit(f"--mode: colocated, disagg, timeshared, grpc or split:P[:D], got {mode!r}")
 
 
 @contextlib.contextmanager

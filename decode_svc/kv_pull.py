@@ -33,7 +33,13 @@ from tandem.engine.engine import Engine
 from tandem.serving import metrics
 from tandem.serving.async_engine import AsyncEngine
 from tandem.serving.kv_ipc import CUDA_IPC, GRPC, ExportedPool, choose_transport, gpu_uuid
-from tandem.serving.kv_transfer import messages_to_pages, page_bytes
+from tandem.serving.kv_transfer import (
+    PREFILL_METHOD,
+    PagesView,
+    messages_to_pages,
+    page_bytes,
+    parse_prefill_response,
+)
 from tandem.serving.rpc import ChannelPool, is_peer_failure, remote_error
 from tandem.serving.telemetry import inject_metadata, record_error
 from tandem.serving.wire import layout_to_proto, sampling_to_worker
@@ -135,7 +141,9 @@ class KVPuller:
             target = worker_pb2.KVTarget(pool_id=pool.pool_id, block_ids=request.block_ids,
                                          pool=None if peer.has_handle else pool.handle.to_proto())
         kv_span = self.traces.start_kv_transfer(req_id, transport, address)
-        call = worker_pb2_grpc.PrefillStub(self.channels.get(address)).Prefill(
+        call = self.channels.get(address).unary_stream(
+            PREFILL_METHOD, request_serializer=worker_pb2.PrefillRequest.SerializeToString,
+            response_deserializer=parse_prefill_response)(
             worker_pb2.PrefillRequest(request_id=req_id, prompt_token_ids=request.prompt_token_ids,
                                       sampling=sampling_to_worker(request.params), layout=layout_to_proto(layout),
                                       target=target, output_token_ids=request.output_token_ids,
@@ -148,9 +156,8 @@ class KVPuller:
         peer_may_write = target is not None
         try:
             async for message in call:
-                kind = message.WhichOneof("kind")
-                if kind == "pages":
-                    pages = message.pages
+                if isinstance(message, PagesView) or message.WhichOneof("kind") == "pages":
+                    pages = message if isinstance(message, PagesView) else message.pages
                     try:
                         k, v = messages_to_pages(pages, layout)
                     except ValueError as error:
@@ -159,7 +166,7 @@ class KVPuller:
                     num_bytes += page_bytes(pages, layout)
                     engine.post(lambda e, k=k, v=v, layer=pages.layer, start=pages.block_start:
                                 e.write_pages(req_id, layer, start, k, v))
-                elif kind == "first_token":
+                elif message.WhichOneof("kind") == "first_token":
                     # The peer sampled it after its step wrote every page (the sample synchronised the step):
                     # with cuda-ipc the pages are in our pool now; with grpc, queued on the engine before this.
                     peer_may_write = False

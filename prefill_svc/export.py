@@ -5,7 +5,8 @@
   K/V there too, one more store per layer per pool, so nothing is copied afterwards and no host work is done per
   layer. The first token is sampled after the step's host sync, so its arrival proves the pages are in place.
 - grpc (anywhere else): one hand-off per layer per step to the `PageExporter`, which copies the step's pages to
-  pinned host memory on a side stream and makes the messages on its own thread.
+  pinned host memory on a side stream and writes the serialized messages on its own thread (the GIL released
+  for the copies: the engine thread goes on launching).
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from tandem.engine.attention import KVLayer
 from tandem.engine.request import KVMirror, Request
 from tandem.serving.async_engine import AsyncEngine
 from tandem.serving.kv_ipc import PoolHandle, open_pool
-from tandem.serving.kv_transfer import PageExporter
+from tandem.serving.kv_transfer import PageExporter, WirePages
 from tandem.v1 import worker_pb2
 
 
 @dataclass
 class PagesEvent:
-    """One layer's pages of one request, already on the host (handed to the request's stream)."""
+    """One layer's pages of one request, already on the host and serialized (handed to the request's stream)."""
 
     layer: int
-    messages: list[worker_pb2.KVPages]
+    messages: list[WirePages]
 
 
 class PageExport:
@@ -79,7 +80,7 @@ class PageExport:
             return None
         return self.exporter.begin_step(exported, self._deliver)
 
-    def _deliver(self, req_id: str, messages: list[worker_pb2.KVPages]) -> None:
+    def _deliver(self, req_id: str, messages: list[WirePages]) -> None:
         """Exporter thread: one layer's messages of one request, to its stream."""
         if messages:
             self.engine.post_event(req_id, PagesEvent(messages[0].layer, messages))

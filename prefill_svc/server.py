@@ -9,11 +9,10 @@ from collections.abc import Callable
 import grpc
 
 from tandem.common.config import EngineConfig
-from tandem.prefill_svc.servicer import PrefillServicer
+from tandem.prefill_svc.servicer import PrefillServicer, add_to_server
 from tandem.serving.kv_transfer import EXPORT_SWITCH_INTERVAL_S
 from tandem.serving.service import ServiceOptions, run_service
 from tandem.serving.worker import new_worker_id, start_engine, worker_record
-from tandem.v1 import worker_pb2_grpc
 
 
 async def serve(service: ServiceOptions, config: EngineConfig, model_name: str,
@@ -26,7 +25,7 @@ async def serve(service: ServiceOptions, config: EngineConfig, model_name: str,
     worker_id = new_worker_id("prefill")
 
     def add(server: grpc.aio.Server) -> list[str]:
-        worker_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+        add_to_server(servicer, server)
         return ["tandem.v1.Prefill"]
 
     async def cleanup() -> None:

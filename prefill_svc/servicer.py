@@ -17,7 +17,7 @@ from tandem.prefill_svc.tracing import PrefillTraces
 from tandem.serving import metrics
 from tandem.serving.async_engine import AsyncEngine, TokenEvent
 from tandem.serving.kv_ipc import PoolHandle
-from tandem.serving.kv_transfer import check_layout, page_bytes
+from tandem.serving.kv_transfer import check_layout, page_bytes, serialize_prefill_response
 from tandem.serving.telemetry import ending, get_tracer
 from tandem.serving.wire import layout_from_proto, sampling_from_worker
 from tandem.serving.worker import worker_info
@@ -41,8 +41,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             self.traces.on_step(result, seconds)
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillResponse]:
-        """`_prefill` inside the request's `prefill` span (continuing the caller's trace)."""
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillResponse | bytes]:
+        """`_prefill` inside the request's `prefill` span (continuing the caller's trace). Pages go out as the
+        exporter serialized them (bytes: see `add_to_server`)."""
         span = self.traces.start(request.request_id, len(request.prompt_token_ids), context.invocation_metadata())
         try:
             with ending(span):
@@ -53,7 +54,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             self.traces.forget(request.request_id)
 
     async def _prefill(self, request: worker_pb2.PrefillRequest
-                       ) -> AsyncGenerator[worker_pb2.PrefillResponse, None]:
+                       ) -> AsyncGenerator[worker_pb2.PrefillResponse | bytes, None]:
         engine = self.engine.engine
         check_layout(engine.layout, layout_from_proto(request.layout))
         params = sampling_from_worker(request.sampling)
@@ -74,7 +75,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                     if isinstance(event, PagesEvent):
                         for message in event.messages:
                             num_bytes += page_bytes(message, engine.layout)
-                            yield worker_pb2.PrefillResponse(pages=message)
+                            yield message.data
                         continue
                     assert isinstance(event, TokenEvent)
                     if not is_ipc and not flushed:
@@ -119,3 +120,26 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         return worker_info(self.engine, "prefill", self.model_name)
+
+
+def add_to_server(servicer: worker_pb2_grpc.PrefillServicer, server: grpc.aio.Server) -> None:
+    """`worker_pb2_grpc.add_PrefillServicer_to_server`, except that the Prefill stream may yield responses
+    serialized already (the pages): they are sent as they are."""
+    handlers = {
+        "Prefill": grpc.unary_stream_rpc_method_handler(
+            servicer.Prefill, request_deserializer=worker_pb2.PrefillRequest.FromString,
+            response_serializer=serialize_prefill_response),
+        "Info": grpc.unary_unary_rpc_method_handler(
+            servicer.Info, request_deserializer=worker_pb2.InfoRequest.FromString,
+            response_serializer=worker_pb2.WorkerInfo.SerializeToString),
+        "Release": grpc.unary_unary_rpc_method_handler(
+            servicer.Release, request_deserializer=worker_pb2.ReleaseRequest.FromString,
+            response_serializer=worker_pb2.ReleaseResponse.SerializeToString),
+        "OpenPool": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenPool, request_deserializer=worker_pb2.OpenPoolRequest.FromString,
+            response_serializer=worker_pb2.OpenPoolResponse.SerializeToString),
+    }
+    service = worker_pb2.DESCRIPTOR.services_by_name["Prefill"]
+    assert set(handlers) == {method.name for method in service.methods}, "a Prefill method is not registered"
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)

@@ -33,6 +33,16 @@
 #            time-shared, 2 and 32 req/s, ~6 min
 #   mps_full the 8B async row after its fix; colocated vs MPS (100:100) at 2-48 req/s; MPS spans, ~9 min
 #   defaults colocated vs disaggregated with the 12-03 defaults (async, MPS, mid-step admission), ~5 min
+#   grpc     #14's cross-host export after its pages went serialized by torch without the GIL: the exporter's tests,
+#            the prefill forward (grpc vs local), the transport's GB/s, the spans and the serve benchmark with
+#            --kv-transport grpc at 2-48 req/s, ~8 min
+#   grpc2    the grpc export again: prefill forward (prefix cache off: the earlier run measured one token), the
+#            transport's GB/s and the serve benchmark at 2 and 8 req/s, each with glibc's malloc as it is and with
+#            its mmap and trim thresholds raised (no page faults on each message's fresh buffers), then split2, ~9 min
+#   grpc3    after the exporter made messages on four threads: its tests, the prefill forward, the transport's GB/s,
+#            the serve benchmark with --kv-transport grpc at 2 req/s, ~3 min
+#   split2   #14's ITL target at 8-32 req/s: prefill capped at 70% and 50% of the SMs (decode uncapped) under MPS,
+#            against the 12-03 defaults' numbers (100:100), ~5 min
 #   gc       the collector settled after start-up vs Python's default (gateway alone, #15's 1B rows), and the
 #            random-prompt workload alone with the cache on/off in both orders (#17), ~7 min
 #
@@ -578,6 +588,56 @@ suite_defaults() {
         step "serve-defaults-$mode" 200 $PY -m tandem.benchmarks.serve_modes --mode "$mode" --model "$BIG" \
             --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" --num-requests "$(n 128 4)" \
             --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-defaults-$mode.json"
+    done
+}
+
+grpc_export_checks() {  # the exporter's tests, the prefill forward (grpc vs local), the transport's GB/s
+    step exporter-tests 120 $PY -m pytest -q -x -p no:cacheprovider tests/unit/test_page_exporter.py
+    step prefill-forward 120 $PY -m tandem.benchmarks.prefill_forward --model "$BIG" --device "$DEVICE" \
+        --prompt-len "$(n 1024 48)" --batches 1,4 --repeat "$(n 8 2)" --out "$OUT/prefill-forward.json"
+    step kv-grpc 90 $PY -m tandem.benchmarks.kv_grpc_throughput --device "$DEVICE" --tokens "$(n 1024,4096 64)" \
+        --model "$(n dummy:llama-3.1-8b dummy:tiny)" --out "$OUT/kv-grpc.json"
+}
+
+serve_grpc() {  # RATES NUM_REQUESTS TIMEOUT_S: the serve benchmark with --kv-transport grpc
+    step serve-grpc "$3" $PY -m tandem.benchmarks.serve_modes --mode grpc --model "$BIG" \
+        --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n "$1" 4)" --num-requests "$(n "$2" 4)" \
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-grpc.json"
+}
+
+suite_grpc() {
+    grpc_export_checks
+    span_phases grpc
+    serve_grpc 2,8,16,32,48 128 220
+}
+
+suite_grpc2() {
+    local tun="GLIBC_TUNABLES=glibc.malloc.mmap_threshold=67108864:glibc.malloc.trim_threshold=1073741824"
+    for variant in plain tuned; do
+        local env="env"
+        [ "$variant" = tuned ] && env="env $tun"
+        step "prefill-forward-$variant" 100 $env $PY -m tandem.benchmarks.prefill_forward --model "$BIG" \
+            --device "$DEVICE" --prompt-len "$(n 1024 48)" --batches 1,4 --repeat "$(n 8 2)" \
+            --out "$OUT/prefill-forward-$variant.json"
+        step "kv-grpc-$variant" 90 $env $PY -m tandem.benchmarks.kv_grpc_throughput --device "$DEVICE" \
+            --tokens "$(n 1024,4096 64)" --model "$(n dummy:llama-3.1-8b dummy:tiny)" --out "$OUT/kv-grpc-$variant.json"
+    done
+    step serve-grpc-tuned 120 env "$tun" $PY -m tandem.benchmarks.serve_modes --mode grpc --model "$BIG" \
+        --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8 4)" --num-requests "$(n 64 4)" \
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-grpc-tuned.json"
+    suite_split2
+}
+
+suite_grpc3() {
+    grpc_export_checks
+    serve_grpc 2 32 100
+}
+
+suite_split2() {
+    for split in 70:100 50:100; do
+        step "serve-split-${split/:/-}" 170 $PY -m tandem.benchmarks.serve_modes --mode "split:$split" --model "$BIG" \
+            --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 8,16,32 4)" --num-requests "$(n 128 4)" \
+            --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-split-${split/:/-}.json"
     done
 }
 

@@ -2,16 +2,26 @@
 
 Pages travel as raw little-endian tensor bytes (no per-element protobuf encoding), chunked by blocks
 so that each message stays well under the channel's message-size limit.
+
+A prompt of Llama-3.1-8B's shape is 128 MiB of pages per 1,024 tokens, and every copy of it made while holding
+the GIL keeps the engine thread of the same process from launching kernels. So the prefill stream's pages are
+written in the protobuf wire format here (`pages_to_wire`: a serialized `PrefillResponse`, its bytes copied by
+torch with the GIL released), sent as they are, and read back as views of the received message
+(`parse_prefill_response`), where building `KVPages` messages, wrapping them and serializing them would copy the
+bytes four times under the GIL. gRPC's own copy into its send buffer is the one left.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -22,12 +32,14 @@ from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
-# Each KVPages message carries at most this many bytes of K plus V. Kept small so that the exporter thread holds
-# the GIL only briefly per copy (making bytes and messages does not release it).
+# Each KVPages message carries at most this many bytes of K plus V. Kept small so that gRPC's copy of a message
+# into its send buffer (made holding the GIL) keeps the engine thread waiting only briefly.
 MAX_CHUNK_BYTES = 1024 * 1024
 # The GIL switch interval (s) of a process that exports pages: the exporter thread's copies would otherwise keep
 # the engine thread from launching the next layer's kernels for up to Python's default 5 ms at a time.
 EXPORT_SWITCH_INTERVAL_S = 0.0005
+# Threads that make a prefill worker's page messages at once (at most one per CPU).
+EXPORT_THREADS = 4
 
 
 def check_layout(mine: KVLayout, theirs: KVLayout) -> None:
@@ -47,7 +59,8 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
 def pages_to_messages(layer: int, k: torch.Tensor, v: torch.Tensor, max_chunk_bytes: int = MAX_CHUNK_BYTES,
                       first_block: int = 0) -> Iterator[worker_pb2.KVPages]:
     """One layer's pages ([num_blocks, block_size, Hkv, D] each, on the CPU) as chunked messages; the first of
-    them is the request's block number `first_block` (a prompt computed in chunks ships its blocks as they fill)."""
+    them is the request's block number `first_block` (a prompt computed in chunks ships its blocks as they fill).
+    The plain protobuf form of what `pages_to_wire` writes (which the prefill stream sends)."""
     num_blocks = k.shape[0]
     block_bytes = 2 * k[0].numel() * k.element_size()
     per_chunk = max(1, max_chunk_bytes // block_bytes)
@@ -59,15 +72,177 @@ def pages_to_messages(layer: int, k: torch.Tensor, v: torch.Tensor, max_chunk_by
                                  k=k_bytes, v=v_bytes, crc32=zlib.crc32(v_bytes, zlib.crc32(k_bytes)))
 
 
-def page_bytes(message: worker_pb2.KVPages, layout: KVLayout) -> int:
+# Field numbers of the wire format written and read here (from the descriptors, so a renumbering cannot slip by).
+_RESPONSE_PAGES = worker_pb2.PrefillResponse.DESCRIPTOR.fields_by_name["pages"].number
+_PAGES_FIELDS = {f.name: f.number for f in worker_pb2.KVPages.DESCRIPTOR.fields}
+_VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5  # protobuf wire types
+# The prefill stream, called with `parse_prefill_response` as its deserializer.
+PREFILL_METHOD = f"/{worker_pb2.DESCRIPTOR.services_by_name['Prefill'].full_name}/Prefill"
+
+
+@dataclass(frozen=True)
+class WirePages:
+    """One chunk of one layer's pages as a serialized `PrefillResponse` (`data`), which the prefill stream sends
+    as it is."""
+
+    layer: int
+    block_start: int
+    num_blocks: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class PagesView:
+    """A received `KVPages` message whose `k` and `v` are views of the message's bytes (no copy)."""
+
+    layer: int
+    block_start: int
+    num_blocks: int
+    k: memoryview
+    v: memoryview
+    crc32: int
+
+
+class _Pages(Protocol):  # KVPages or PagesView
+    @property
+    def layer(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def k(self) -> bytes | memoryview: ...
+    @property
+    def v(self) -> bytes | memoryview: ...
+    @property
+    def crc32(self) -> int: ...
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _len_prefix(field: int, length: int) -> bytes:
+    return _varint(field << 3 | _LEN) + _varint(length)
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def _fill(data: bytes, parts: list[bytes | torch.Tensor]) -> None:
+    """Write `parts` one after another into `data`, a bytes object this module has just made and nobody else
+    has seen (not hashed, not shared): as CPython itself fills a new bytes object. torch copies the tensors with
+    the GIL released."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        out = torch.frombuffer(data, dtype=torch.uint8)
+    offset = 0
+    for part in parts:
+        src = part if isinstance(part, torch.Tensor) else torch.frombuffer(bytearray(part), dtype=torch.uint8)
+        out[offset:offset + src.numel()].copy_(src)
+        offset += src.numel()
+    assert offset == len(data)
+
+
+def pages_to_wire(layer: int, k: torch.Tensor, v: torch.Tensor, max_chunk_bytes: int = MAX_CHUNK_BYTES,
+                  first_block: int = 0) -> Iterator[WirePages]:
+    """`pages_to_messages`, each message already wrapped in a `PrefillResponse` and serialized; the tensors'
+    bytes are copied once, without the GIL (the CRC32 is computed without it too). The small fields come first,
+    then k and v: protobuf reads fields in any order."""
+    num_blocks = k.shape[0]
+    block_bytes = 2 * k[0].numel() * k.element_size()
+    per_chunk = max(1, max_chunk_bytes // block_bytes)
+    for start in range(0, num_blocks, per_chunk):
+        count = min(per_chunk, num_blocks - start)
+        k_src, v_src = _flat_bytes(k[start:start + count]), _flat_bytes(v[start:start + count])
+        crc = zlib.crc32(v_src.numpy().data, zlib.crc32(k_src.numpy().data))
+        head = worker_pb2.KVPages(layer=layer, block_start=first_block + start, num_blocks=count,
+                                  crc32=crc).SerializeToString()
+        k_prefix = _len_prefix(_PAGES_FIELDS["k"], k_src.numel())
+        v_prefix = _len_prefix(_PAGES_FIELDS["v"], v_src.numel())
+        inner = len(head) + len(k_prefix) + k_src.numel() + len(v_prefix) + v_src.numel()
+        prefix = _len_prefix(_RESPONSE_PAGES, inner) + head + k_prefix
+        data = bytes(len(prefix) + k_src.numel() + len(v_prefix) + v_src.numel())  # zeroed pages from the OS
+        _fill(data, [prefix, k_src, v_prefix, v_src])
+        yield WirePages(layer, first_block + start, count, data)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("a truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _wire_fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
+    """(field number, wire type, value) of each field of one message; a length-delimited value is a view."""
+    pos = 0
+    while pos < len(buf):
+        key, pos = _read_varint(buf, pos)
+        field, kind = key >> 3, key & 7
+        value: int | memoryview
+        if kind == _VARINT:
+            value, pos = _read_varint(buf, pos)
+        elif kind == _LEN:
+            length, pos = _read_varint(buf, pos)
+            if pos + length > len(buf):
+                raise ValueError("a truncated field")
+            value, pos = buf[pos:pos + length], pos + length
+        elif kind in (_FIXED64, _FIXED32):
+            size = 8 if kind == _FIXED64 else 4
+            if pos + size > len(buf):
+                raise ValueError("a truncated field")
+            value, pos = int.from_bytes(buf[pos:pos + size], "little"), pos + size
+        else:
+            raise ValueError(f"wire type {kind}")
+        yield field, kind, value
+
+
+def parse_prefill_response(data: bytes) -> worker_pb2.PrefillResponse | PagesView:
+    """The prefill stream's deserializer: a pages message becomes a `PagesView` of `data` (its bytes are not
+    copied); any other message, or one this reader does not take apart, is parsed by protobuf."""
+    buf = memoryview(data)
+    try:
+        fields = list(_wire_fields(buf))
+        if len(fields) == 1 and fields[0][:2] == (_RESPONSE_PAGES, _LEN):
+            values: dict[int, int | memoryview] = {}
+            for field, _, value in _wire_fields(fields[0][2]):  # type: ignore[arg-type]
+                values[field] = value  # the last one wins, as protobuf's own parser does
+            numbers = _PAGES_FIELDS
+            k, v = values.get(numbers["k"], buf[:0]), values.get(numbers["v"], buf[:0])
+            scalars = [values.get(numbers[name], 0) for name in ("layer", "block_start", "num_blocks", "crc32")]
+            if isinstance(k, memoryview) and isinstance(v, memoryview) and all(isinstance(x, int) for x in scalars):
+                layer, block_start, num_blocks, crc = (int(x) & 0xFFFFFFFF for x in scalars)  # type: ignore[arg-type]
+                return PagesView(layer, block_start, num_blocks, k, v, crc)
+    except ValueError:
+        pass  # protobuf's parser says what is wrong with it
+    return worker_pb2.PrefillResponse.FromString(data)
+
+
+def serialize_prefill_response(response: worker_pb2.PrefillResponse | bytes) -> bytes:
+    """The prefill stream's serializer: pages come serialized already (`WirePages.data`)."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def page_bytes(message: _Pages, layout: KVLayout) -> int:
     """K plus V bytes a pages message carries (without reading its bytes fields: each read may copy them)."""
     return 2 * message.num_blocks * layout.block_bytes_per_layer
 
 
-def messages_to_pages(message: worker_pb2.KVPages, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def messages_to_pages(message: _Pages, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the checksum and the size, and view the bytes as K and V tensors on the CPU (read-only views
     of the message's bytes: copy before writing into them)."""
-    k_bytes, v_bytes = message.k, message.v  # each read of a bytes field may copy it: read once
+    k_bytes, v_bytes = message.k, message.v  # each read of a KVPages bytes field may copy it: read once
     if zlib.crc32(v_bytes, zlib.crc32(k_bytes)) != message.crc32:
         raise ValueError(f"KV pages of layer {message.layer} failed their CRC32 check")
     dtype = getattr(torch, layout.dtype)
@@ -91,21 +266,26 @@ class PageExporter:
     `begin_step` (once per step) puts the step's block ids on the device in one copy; then, per layer, the
     gather of every request's K and V pages and one device→host copy into a reusable pinned buffer are queued on
     a side stream behind an event of the compute stream, so the engine goes on launching the next layer while
-    this one's pages come down. Bytes, CRC32s and messages are made on one worker thread, in submission order,
-    once the copy has landed. On a CPU the gather happens at once and the rest on the worker thread.
+    this one's pages come down. The serialized messages (`pages_to_wire`) are made once the copy has landed,
+    several layers at once on `EXPORT_THREADS` threads, and handed on by one thread in submission order. On a CPU
+    the gather happens at once and the rest on those threads.
     `cache` is the pool, [layers, 2, blocks, block_size, kv_heads, head_dim].
     """
 
     def __init__(self, cache: torch.Tensor) -> None:
         self.cache = cache
         self.stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
+        # Messages are made on several threads (their copies and CRC32s release the GIL) and handed on by one, in
+        # submission order.
+        self._makers = ThreadPoolExecutor(max(1, min(EXPORT_THREADS, os.cpu_count() or 1)),
+                                          thread_name_prefix="kv-export-make")
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-export")
         # Pinned staging buffers by capacity in blocks (a power of two), handed back by the worker thread.
         self._staging: dict[int, list[torch.Tensor]] = {}
         self._staging_lock = threading.Lock()
 
     def begin_step(self, requests: list[tuple[str, int, list[int]]],
-                   deliver: Callable[[str, list[worker_pb2.KVPages]], None]) -> Callable[[int], None]:
+                   deliver: Callable[[str, list[WirePages]], None]) -> Callable[[int], None]:
         """Engine thread, before the step's forward: `requests` are (request id, index of the first block this step
         writes in the request's own block list, those blocks' ids). Returns what to call with each layer's index
         once it has stored its K/V (queued on the current stream); `deliver(req_id, messages)` then runs on the
@@ -133,7 +313,8 @@ class PageExporter:
                     as_bytes(pages).copy_(as_bytes(self.cache[layer]).index_select(1, index), non_blocking=True)
                     done = torch.cuda.Event()
                     done.record(self.stream)
-            self._worker.submit(self._deliver, layer, pages, done, spans, deliver)
+            made = self._makers.submit(self._make, layer, pages, done, spans)
+            self._worker.submit(self._deliver, layer, made, deliver)
 
         return layer_done
 
@@ -143,6 +324,7 @@ class PageExporter:
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._makers.shutdown(wait=False, cancel_futures=True)
 
     def _take_staging(self, num_blocks: int) -> torch.Tensor:
         capacity = 1 << max(0, num_blocks - 1).bit_length()
@@ -158,17 +340,22 @@ class PageExporter:
         with self._staging_lock:
             self._staging.setdefault(base.shape[1], []).append(base)
 
-    def _deliver(self, layer: int, pages: torch.Tensor, done: torch.cuda.Event | None,
-                 spans: list[tuple[str, int, int, int]],
-                 deliver: Callable[[str, list[worker_pb2.KVPages]], None]) -> None:
+    def _make(self, layer: int, pages: torch.Tensor, done: torch.cuda.Event | None,
+              spans: list[tuple[str, int, int, int]]) -> list[tuple[str, list[WirePages]]]:
         try:
             if done is not None:
                 done.synchronize()
-            for req_id, first_block, start, num_blocks in spans:
-                k, v = pages[0, start:start + num_blocks], pages[1, start:start + num_blocks]
-                deliver(req_id, list(pages_to_messages(layer, k, v, first_block=first_block)))
-        except Exception:  # the request's stream then ends without these pages: the receiver sees a short transfer
-            log.exception("exporting KV pages of layer %d failed", layer)
+            return [(req_id, list(pages_to_wire(layer, pages[0, start:start + num_blocks],
+                                                pages[1, start:start + num_blocks], first_block=first_block)))
+                    for req_id, first_block, start, num_blocks in spans]
         finally:
             if done is not None:
                 self._give_back(pages)
+
+    def _deliver(self, layer: int, made: Future[list[tuple[str, list[WirePages]]]],
+                 deliver: Callable[[str, list[WirePages]], None]) -> None:
+        try:
+            for req_id, messages in made.result():
+                deliver(req_id, messages)
+        except Exception:  # the request's stream then ends without these pages: the receiver sees a short transfer
+            log.exception("exporting KV pages of layer %d failed", layer)

@@ -16,6 +16,7 @@ from tandem.decode_svc.servicer import DecodeServicer
 from tandem.engine.engine import Engine
 from tandem.models import load_model_config
 from tandem.prefill_svc.servicer import PrefillServicer
+from tandem.prefill_svc.servicer import add_to_server as add_prefill_to_server
 from tandem.serving.async_engine import AsyncEngine
 from tandem.serving.rpc import make_channel, start_server
 from tandem.serving.wire import layout_to_proto, sampling_to_worker
@@ -42,7 +43,7 @@ async def start_worker(role: str, config: EngineConfig) -> Worker:
     servicer: PrefillServicer | DecodeServicer
     if role == "prefill":
         servicer = PrefillServicer(engine, "test")
-        add = worker_pb2_grpc.add_PrefillServicer_to_server
+        add = add_prefill_to_server
     else:
         servicer = create_servicer(engine, "test")
         add = worker_pb2_grpc.add_DecodeServicer_to_server

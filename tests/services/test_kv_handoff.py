@@ -99,20 +99,21 @@ async def test_a_damaged_page_message_is_caught_counted_and_recovered(workers: t
     prefill, decode = workers
     import tandem.serving.kv_transfer as kv_transfer
 
-    original = kv_transfer.pages_to_messages
+    original = kv_transfer.pages_to_wire
 
     def damaging(layer: int, k: torch.Tensor, v: torch.Tensor, *args: object,  # type: ignore[no-untyped-def]
                  **kwargs: object):
         for message in original(layer, k, v, *args, **kwargs):  # type: ignore[arg-type]
             if layer == 1:  # flip one byte of layer 1's K in flight
-                k_bytes = bytearray(message.k)
+                response = worker_pb2.PrefillResponse.FromString(message.data)
+                k_bytes = bytearray(response.pages.k)
                 k_bytes[0] ^= 0xFF
-                message = worker_pb2.KVPages(layer=message.layer, block_start=message.block_start,
-                                             num_blocks=message.num_blocks, k=bytes(k_bytes), v=message.v,
-                                             crc32=message.crc32)
+                response.pages.k = bytes(k_bytes)
+                message = kv_transfer.WirePages(message.layer, message.block_start, message.num_blocks,
+                                                response.SerializeToString())
             yield message
 
-    monkeypatch.setattr(kv_transfer, "pages_to_messages", damaging)
+    monkeypatch.setattr(kv_transfer, "pages_to_wire", damaging)
     before = metrics.KV_INTEGRITY_FAILURES._value.get()
     written: list[int] = []
     engine = decode.engine.engine

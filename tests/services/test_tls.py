@@ -12,6 +12,7 @@ import pytest
 from tandem.decode_svc.server import create_servicer
 from tandem.engine.engine import Engine
 from tandem.prefill_svc.servicer import PrefillServicer
+from tandem.prefill_svc.servicer import add_to_server as add_prefill_to_server
 from tandem.serving.async_engine import AsyncEngine
 from tandem.serving.rpc import TlsConfig, make_channel, start_server
 from tandem.v1 import worker_pb2_grpc
@@ -51,7 +52,7 @@ async def test_mutual_tls_between_decode_and_prefill(pki: Path, tmp_path: Path) 
     servers = []
     try:
         addresses = []
-        for servicer, add, name in ((prefill, worker_pb2_grpc.add_PrefillServicer_to_server, "Prefill"),
+        for servicer, add, name in ((prefill, add_prefill_to_server, "Prefill"),
                                     (decode, worker_pb2_grpc.add_DecodeServicer_to_server, "Decode")):
             def register(server: grpc.aio.Server, servicer=servicer, add=add, name=name) -> list[str]:  # noqa: ANN001
                 add(servicer, server)

@@ -26,6 +26,7 @@ from tandem.gateway.server import load_gateway_model
 from tandem.gateway.servicer import GenerationServicer
 from tandem.models import load_model_config
 from tandem.prefill_svc.servicer import PrefillServicer
+from tandem.prefill_svc.servicer import add_to_server as add_prefill_to_server
 from tandem.serving.async_engine import AsyncEngine
 from tandem.serving.registry import StaticRegistry
 from tandem.serving.rpc import make_channel, start_server
@@ -69,7 +70,7 @@ async def start_stack(receiver: OtlpReceiver, prefill_address: str | None) -> tu
         servicer: PrefillServicer | DecodeServicer
         if role == "prefill":
             servicer = PrefillServicer(engine, MODEL, tracer=tracer)
-            add, name = worker_pb2_grpc.add_PrefillServicer_to_server, "tandem.v1.Prefill"
+            add, name = add_prefill_to_server, "tandem.v1.Prefill"
         else:
             servicer = create_servicer(engine, MODEL, tracer=tracer)
             add, name = worker_pb2_grpc.add_DecodeServicer_to_server, "tandem.v1.Decode"

@@ -1,14 +1,28 @@
 """`PageExporter`: a layer's pages become the same messages as a direct read, delivered in submission
-order off the calling thread, and `flush` waits for all of them (on a GPU: through the side stream)."""
+order off the calling thread, and `flush` waits for all of them (on a GPU: through the side stream). The wire
+format they are written in reads back, through protobuf and through the receiver's own reader, as the messages
+protobuf would have made; anything the reader does not take apart goes to protobuf."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tandem.serving.kv_transfer import PageExporter, pages_to_messages
+from tandem.serving.kv_transfer import (
+    PageExporter,
+    PagesView,
+    WirePages,
+    pages_to_messages,
+    pages_to_wire,
+    parse_prefill_response,
+    serialize_prefill_response,
+)
 from tandem.v1 import worker_pb2
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -21,7 +35,7 @@ def test_pages_arrive_in_order_and_equal_a_direct_read(device: str) -> None:
     # [layers, K/V, blocks, block_size, kv_heads, head_dim]; bf16, as served on a GPU.
     cache = torch.randn(3, 2, 20, 4, 3, 8, device=device).to(torch.bfloat16)
     exporter = PageExporter(cache)
-    delivered: list[tuple[str, int, list[worker_pb2.KVPages], str]] = []
+    delivered: list[tuple[str, int, list[WirePages], str]] = []
     # Two requests of one step; blocks out of order, as a pool hands them out.
     requests = [("a", 0, [7, 2, 19, 3]), ("b", 2, [11])]  # b: its third block (a later chunk of its prompt)
     for _ in range(2):  # two steps: the second reuses the first one's staging buffers
@@ -40,4 +54,74 @@ def test_pages_arrive_in_order_and_equal_a_direct_read(device: str) -> None:
         index = torch.tensor(ids, device=device)
         expected = list(pages_to_messages(layer, cache[layer, 0, index].cpu(), cache[layer, 1, index].cpu(),
                                           first_block=first))
-        assert messages == expected and messages[0].block_start == first
+        assert [worker_pb2.PrefillResponse.FromString(m.data).pages for m in messages] == expected
+        assert [(m.layer, m.block_start, m.num_blocks) for m in messages] == [
+            (e.layer, e.block_start, e.num_blocks) for e in expected]
+        assert messages[0].block_start == first
+
+
+def test_a_layer_made_slowly_is_still_delivered_before_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tandem.serving.kv_transfer as kv_transfer
+
+    original = kv_transfer.pages_to_wire
+    makers: set[str] = set()
+
+    def slow_first_layer(layer: int, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        makers.add(threading.current_thread().name)
+        if layer == 0:
+            time.sleep(0.3)  # the later layers are made meanwhile, on the other threads
+        return original(layer, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kv_transfer, "pages_to_wire", slow_first_layer)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    cache = torch.randn(4, 2, 6, 4, 2, 8)
+    exporter = PageExporter(cache)
+    delivered: list[int] = []
+    layer_done = exporter.begin_step([("a", 0, [1, 4])], lambda _, messages: delivered.append(messages[0].layer))
+    for layer in range(4):
+        layer_done(layer)
+    exporter.flush().result(timeout=30)
+    exporter.close()
+    assert delivered == [0, 1, 2, 3]
+    assert len(makers) > 1 and all(name.startswith("kv-export-make") for name in makers)
+
+
+def _as_message(view: PagesView) -> worker_pb2.KVPages:
+    return worker_pb2.KVPages(layer=view.layer, block_start=view.block_start, num_blocks=view.num_blocks,
+                              k=bytes(view.k), v=bytes(view.v), crc32=view.crc32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_blocks=st.integers(1, 9), layer=st.integers(0, 300), first_block=st.integers(0, 70_000),
+       chunk_bytes=st.sampled_from([1, 200, 1000, 1 << 20]), dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_the_wire_format_reads_back_as_protobuf_s_messages(num_blocks: int, layer: int, first_block: int,
+                                                           chunk_bytes: int, dtype: torch.dtype) -> None:
+    k = torch.randn(num_blocks, 4, 2, 8).to(dtype)
+    v = torch.randn(num_blocks, 4, 2, 8).to(dtype)
+    expected = list(pages_to_messages(layer, k, v, max_chunk_bytes=chunk_bytes, first_block=first_block))
+    wire = list(pages_to_wire(layer, k, v, max_chunk_bytes=chunk_bytes, first_block=first_block))
+    assert [worker_pb2.PrefillResponse.FromString(w.data) for w in wire] == [
+        worker_pb2.PrefillResponse(pages=m) for m in expected]
+    views = [parse_prefill_response(w.data) for w in wire]
+    assert all(isinstance(view, PagesView) for view in views)
+    assert [_as_message(view) for view in views] == expected  # type: ignore[arg-type]
+    assert all(serialize_prefill_response(w.data) is w.data for w in wire)  # sent as they are
+
+
+def test_the_reader_takes_protobuf_s_own_encoding_and_leaves_the_rest_to_it() -> None:
+    pages = worker_pb2.KVPages(layer=3, block_start=2**32 - 1, num_blocks=1, k=b"\x01" * 300, v=b"", crc32=7)
+    view = parse_prefill_response(worker_pb2.PrefillResponse(pages=pages).SerializeToString())
+    assert isinstance(view, PagesView) and _as_message(view) == pages
+    # A field repeated: the last value wins, as in protobuf.
+    twice = (worker_pb2.KVPages(layer=1).SerializeToString() + worker_pb2.KVPages(layer=5).SerializeToString())
+    view = parse_prefill_response(worker_pb2.PrefillResponse(pages=worker_pb2.KVPages.FromString(twice))
+                                  .SerializeToString())
+    assert isinstance(view, PagesView) and view.layer == 5
+    first = worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(token_id=9, logprob=-0.5, prefill_s=0.1))
+    assert parse_prefill_response(first.SerializeToString()) == first
+    assert serialize_prefill_response(first) == first.SerializeToString()
+    # A pages field of the wrong wire type is not the reader's to judge: protobuf's parser decides.
+    odd = bytes([1 << 3 | 0, 5])  # PrefillResponse field 1 as a varint
+    assert parse_prefill_response(odd) == worker_pb2.PrefillResponse.FromString(odd)
+    with pytest.raises(Exception, match="(?i)error|truncat"):  # protobuf's DecodeError
+        parse_prefill_response(worker_pb2.PrefillResponse(pages=pages).SerializeToString()[:-5])
