@@ -39,7 +39,7 @@
 #   grpc2    the grpc export again: prefill forward (prefix cache off: the earlier run measured one token), the
 #            transport's GB/s and the serve benchmark at 2 and 8 req/s, each with glibc's malloc as it is and with
 #            its mmap and trim thresholds raised (no page faults on each message's fresh buffers), then split2, ~9 min
-#   grpc3    after the exporter made messages on four threads: its tests, the prefill forward, the transport's GB/s,
+#   grpc3    with the exporter making messages on four threads (since taken out): its tests, the forward, the GB/s,
 #            the serve benchmark with --kv-transport grpc at 2 req/s, ~3 min
 #   split2   #14's ITL target at 8-32 req/s: prefill capped at 70% and 50% of the SMs (decode uncapped) under MPS,
 #            against the 12-03 defaults' numbers (100:100), ~5 min

@@ -5,9 +5,7 @@ protobuf would have made; anything the reader does not take apart goes to protob
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 
 import pytest
 import torch
@@ -58,32 +56,6 @@ def test_pages_arrive_in_order_and_equal_a_direct_read(device: str) -> None:
         assert [(m.layer, m.block_start, m.num_blocks) for m in messages] == [
             (e.layer, e.block_start, e.num_blocks) for e in expected]
         assert messages[0].block_start == first
-
-
-def test_a_layer_made_slowly_is_still_delivered_before_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tandem.serving.kv_transfer as kv_transfer
-
-    original = kv_transfer.pages_to_wire
-    makers: set[str] = set()
-
-    def slow_first_layer(layer: int, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
-        makers.add(threading.current_thread().name)
-        if layer == 0:
-            time.sleep(0.3)  # the later layers are made meanwhile, on the other threads
-        return original(layer, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(kv_transfer, "pages_to_wire", slow_first_layer)
-    monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    cache = torch.randn(4, 2, 6, 4, 2, 8)
-    exporter = PageExporter(cache)
-    delivered: list[int] = []
-    layer_done = exporter.begin_step([("a", 0, [1, 4])], lambda _, messages: delivered.append(messages[0].layer))
-    for layer in range(4):
-        layer_done(layer)
-    exporter.flush().result(timeout=30)
-    exporter.close()
-    assert delivered == [0, 1, 2, 3]
-    assert len(makers) > 1 and all(name.startswith("kv-export-make") for name in makers)
 
 
 def _as_message(view: PagesView) -> worker_pb2.KVPages:
