@@ -47,6 +47,9 @@ class InfoProbe:
                 return None
             info = await stub.Info(worker_pb2.InfoRequest(), timeout=1.0)
         except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # Late, maybe only because this gateway is busy: the registry leaves the worker out after several.
+                raise asyncio.TimeoutError from None
             if error.code() == grpc.StatusCode.UNAUTHENTICATED and address not in self._unauthenticated:
                 self._unauthenticated.add(address)
                 log.error("%s worker %s refuses this gateway: %s", role, address, error.details())

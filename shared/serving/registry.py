@@ -42,6 +42,13 @@ _JSON_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "floa
 # How often a worker's cache summary (and load) reaches the gateway: the static registry's probe interval, and
 # both the write and the read interval of the Redis keys.
 CACHE_VIEW_INTERVAL_S = 0.25
+# Probes in a row that time out before the static registry leaves a worker out (one that refuses or says it is not
+# serving is left out at once).
+DOWN_AFTER_LATE_PROBES = 3
+
+
+class _Late:
+    """A probe that did not answer in time."""
 # Cached blocks a worker publishes at most (8 bytes each: 512 KiB); past it, those in use and the most recently used.
 MAX_SUMMARY_BLOCKS = 65536
 PREFIX_BYTES = 8
@@ -217,6 +224,7 @@ class StaticRegistry:
             for address in addresses
         }
         self._down: set[tuple[str, str]] = set()
+        self._misses: dict[tuple[str, str], int] = {}  # probes in a row that timed out, by worker
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -243,24 +251,34 @@ class StaticRegistry:
         for key, record in zip(keys, results, strict=True):
             self._update(key, record)
 
-    def _update(self, key: tuple[str, str], record: WorkerRecord | None) -> None:
+    def _update(self, key: tuple[str, str], record: WorkerRecord | None | _Late) -> None:
+        if isinstance(record, _Late):
+            # A probe that times out may be this gateway's own busy event loop, not the worker: left out only
+            # after DOWN_AFTER_LATE_PROBES in a row (a single one dropped the only worker of a loaded gateway).
+            self._misses[key] = self._misses.get(key, 0) + 1
+            if self._misses[key] < DOWN_AFTER_LATE_PROBES:
+                return
+            record = None
         if record is None:
             if key not in self._down:
                 log.warning("%s worker %s does not answer: left out until it does", *key)
             self._down.add(key)
             return
+        self._misses.pop(key, None)
         if key in self._down:
             log.info("%s worker %s answers again", *key)
             self._down.discard(key)
         self._records[key] = _kept_cache(self._records[key], record)
 
-    async def _probe_one(self, role: str, address: str) -> WorkerRecord | None:
+    async def _probe_one(self, role: str, address: str) -> WorkerRecord | None | _Late:
         assert self._probe is not None
         try:
             return await asyncio.wait_for(self._probe(role, address), self._probe_timeout_s)
-        except (asyncio.TimeoutError, OSError):
-            # A probe reports an unreachable worker by returning None; a hung or refused connection is
-            # the same answer.
+        except asyncio.TimeoutError:
+            return _Late()
+        except OSError:
+            # A probe reports an unreachable or refusing worker by returning None; a refused connection is the
+            # same answer.
             return None
 
     async def _refresh_forever(self, key: tuple[str, str]) -> None:
