@@ -73,6 +73,8 @@ def pages_to_messages(layer: int, k: torch.Tensor, v: torch.Tensor, max_chunk_by
 _RESPONSE_PAGES = worker_pb2.PrefillResponse.DESCRIPTOR.fields_by_name["pages"].number
 _PAGES_FIELDS = {f.name: f.number for f in worker_pb2.KVPages.DESCRIPTOR.fields}
 _VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5  # protobuf wire types
+# The wire type of each KVPages field (a field of another wire type is unknown to protobuf, not that field).
+_PAGES_WIRE_TYPES = {number: _LEN if name in ("k", "v") else _VARINT for name, number in _PAGES_FIELDS.items()}
 # The prefill stream, called with `parse_prefill_response` as its deserializer.
 PREFILL_METHOD = f"/{worker_pb2.DESCRIPTOR.services_by_name['Prefill'].full_name}/Prefill"
 
@@ -187,6 +189,8 @@ def _wire_fields(buf: memoryview) -> Iterator[tuple[int, int, int | memoryview]]
     while pos < len(buf):
         key, pos = _read_varint(buf, pos)
         field, kind = key >> 3, key & 7
+        if not 0 < field < 1 << 29:
+            raise ValueError(f"field number {field}")
         value: int | memoryview
         if kind == _VARINT:
             value, pos = _read_varint(buf, pos)
@@ -213,14 +217,16 @@ def parse_prefill_response(data: bytes) -> worker_pb2.PrefillResponse | PagesVie
         fields = list(_wire_fields(buf))
         if len(fields) == 1 and fields[0][:2] == (_RESPONSE_PAGES, _LEN):
             values: dict[int, int | memoryview] = {}
-            for field, _, value in _wire_fields(fields[0][2]):  # type: ignore[arg-type]
+            for field, kind, value in _wire_fields(fields[0][2]):  # type: ignore[arg-type]
+                if _PAGES_WIRE_TYPES.get(field, kind) != kind:
+                    raise ValueError(f"field {field} of wire type {kind}")  # unknown to protobuf: its parser's call
                 values[field] = value  # the last one wins, as protobuf's own parser does
             numbers = _PAGES_FIELDS
             k, v = values.get(numbers["k"], buf[:0]), values.get(numbers["v"], buf[:0])
             scalars = [values.get(numbers[name], 0) for name in ("layer", "block_start", "num_blocks", "crc32")]
-            if isinstance(k, memoryview) and isinstance(v, memoryview) and all(isinstance(x, int) for x in scalars):
-                layer, block_start, num_blocks, crc = (int(x) & 0xFFFFFFFF for x in scalars)  # type: ignore[arg-type]
-                return PagesView(layer, block_start, num_blocks, k, v, crc)
+            assert isinstance(k, memoryview) and isinstance(v, memoryview)
+            layer, block_start, num_blocks, crc = (int(x) & 0xFFFFFFFF for x in scalars)  # type: ignore[arg-type]
+            return PagesView(layer, block_start, num_blocks, k, v, crc)
     except ValueError:
         pass  # protobuf's parser says what is wrong with it
     return worker_pb2.PrefillResponse.FromString(data)

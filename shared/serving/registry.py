@@ -225,6 +225,7 @@ class StaticRegistry:
         }
         self._down: set[tuple[str, str]] = set()
         self._misses: dict[tuple[str, str], int] = {}  # probes in a row that timed out, by worker
+        self._answered: set[tuple[str, str]] = set()  # workers that answered a probe once
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -255,8 +256,9 @@ class StaticRegistry:
         if isinstance(record, _Late):
             # A probe that times out may be this gateway's own busy event loop, not the worker: left out only
             # after DOWN_AFTER_LATE_PROBES in a row (a single one dropped the only worker of a loaded gateway).
+            # A worker that never answered is out at once: all its record has is the address.
             self._misses[key] = self._misses.get(key, 0) + 1
-            if self._misses[key] < DOWN_AFTER_LATE_PROBES:
+            if self._misses[key] < DOWN_AFTER_LATE_PROBES and key in self._answered:
                 return
             record = None
         if record is None:
@@ -265,6 +267,7 @@ class StaticRegistry:
             self._down.add(key)
             return
         self._misses.pop(key, None)
+        self._answered.add(key)
         if key in self._down:
             log.info("%s worker %s answers again", *key)
             self._down.discard(key)

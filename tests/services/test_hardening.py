@@ -21,6 +21,7 @@ from tandem.common.sampling_params import SamplingParams
 from tandem.gateway.limits import GatewayLimits
 from tandem.gateway.router import Router
 from tandem.gateway.server import load_gateway_model, serve
+from tandem.prefill_svc.servicer import add_to_server as add_prefill_to_server
 from tandem.serving.registry import StaticRegistry
 from tandem.serving.rpc import make_channel, start_server
 from tandem.serving.service import SESSION_HEARTBEAT_S, ServiceOptions
@@ -353,7 +354,7 @@ async def test_a_decode_worker_waiting_on_a_slow_prefill_is_not_taken_for_frozen
     slow = SlowPrefill(delay_s=3.5)
 
     def register(server: grpc.aio.Server) -> list[str]:
-        worker_pb2_grpc.add_PrefillServicer_to_server(slow, server)
+        add_prefill_to_server(slow, server)
         return ["tandem.v1.Prefill"]
 
     prefill_server, port, _ = await start_server("127.0.0.1:0", register)

@@ -244,8 +244,19 @@ async def test_static_registry_probe_refreshes_load_and_marks_workers_down() -> 
         await registry.stop()
 
 
+async def test_static_registry_hung_probe_of_a_worker_never_heard_counts_as_down() -> None:
+    async def probe(role: str, address: str) -> WorkerRecord | None:
+        await asyncio.sleep(60)
+        return None
+
+    registry = StaticRegistry([], ["127.0.0.1:2"], probe, probe_timeout_s=0.05)
+    await registry.start()
+    assert registry.workers("decode") == []
+    await registry.stop()
+
+
 async def test_static_registry_leaves_out_a_worker_after_several_late_probes_in_a_row() -> None:
-    hung = True
+    hung = False
 
     async def probe(role: str, address: str) -> WorkerRecord | None:
         if hung:
@@ -254,6 +265,8 @@ async def test_static_registry_leaves_out_a_worker_after_several_late_probes_in_
 
     registry = StaticRegistry([], ["127.0.0.1:2"], probe, refresh_s=60.0, probe_timeout_s=0.05)
     await registry.start()
+    hung = True
+    await registry.refresh()
     try:
         # A late answer may be this gateway's own busy loop: one or two in a row keep the worker.
         for _ in range(DOWN_AFTER_LATE_PROBES - 1):

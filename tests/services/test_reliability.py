@@ -29,6 +29,7 @@ from tandem.gateway.server import InfoProbe, load_gateway_model
 from tandem.gateway.servicer import GenerationServicer
 from tandem.models import load_model_config
 from tandem.prefill_svc.servicer import PrefillServicer
+from tandem.prefill_svc.servicer import add_to_server as add_prefill_to_server
 from tandem.serving.async_engine import AsyncEngine
 from tandem.serving.registry import StaticRegistry
 from tandem.serving.rpc import make_channel, start_server
@@ -63,7 +64,7 @@ async def start_worker(role: str, num_blocks: int = 64, **kwargs: object) -> Wor
     servicer: PrefillServicer | DecodeServicer
     if role == "prefill":
         servicer = PrefillServicer(engine, MODEL)
-        add, name = worker_pb2_grpc.add_PrefillServicer_to_server, "tandem.v1.Prefill"
+        add, name = add_prefill_to_server, "tandem.v1.Prefill"
     else:
         servicer = create_servicer(engine, MODEL, **kwargs)  # type: ignore[arg-type]
         add, name = worker_pb2_grpc.add_DecodeServicer_to_server, "tandem.v1.Decode"
@@ -223,7 +224,7 @@ async def test_decode_bounds_its_queue_and_passes_its_deadline_to_prefill() -> N
     hanging = HangingPrefill()
 
     def register(server: grpc.aio.Server) -> list[str]:
-        worker_pb2_grpc.add_PrefillServicer_to_server(hanging, server)
+        add_prefill_to_server(hanging, server)
         return ["tandem.v1.Prefill"]
 
     prefill_server, port, _ = await start_server("127.0.0.1:0", register)

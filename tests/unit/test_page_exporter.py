@@ -92,8 +92,15 @@ def test_the_reader_takes_protobuf_s_own_encoding_and_leaves_the_rest_to_it() ->
     first = worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(token_id=9, logprob=-0.5, prefill_s=0.1))
     assert parse_prefill_response(first.SerializeToString()) == first
     assert serialize_prefill_response(first) == first.SerializeToString()
-    # A pages field of the wrong wire type is not the reader's to judge: protobuf's parser decides.
+    # A field of the wrong wire type is not the reader's to judge: protobuf's parser decides.
     odd = bytes([1 << 3 | 0, 5])  # PrefillResponse field 1 as a varint
     assert parse_prefill_response(odd) == worker_pb2.PrefillResponse.FromString(odd)
+    fixed_layer = bytes([1 << 3 | 5]) + (9).to_bytes(4, "little")  # KVPages.layer as a fixed32: an unknown field
+    odd = bytes([1 << 3 | 2, len(fixed_layer)]) + fixed_layer
+    assert parse_prefill_response(odd) == worker_pb2.PrefillResponse.FromString(odd)
+    assert worker_pb2.PrefillResponse.FromString(odd).pages.layer == 0
+    for bad in (b"\x00\x05", b"\x80\x80\x80\x80\x10\x05"):  # field numbers 0 and 2**29: protobuf refuses them
+        with pytest.raises(Exception, match="(?i)error|pars"):
+            parse_prefill_response(bytes([1 << 3 | 2, len(bad)]) + bad)
     with pytest.raises(Exception, match="(?i)error|truncat"):  # protobuf's DecodeError
         parse_prefill_response(worker_pb2.PrefillResponse(pages=pages).SerializeToString()[:-5])
