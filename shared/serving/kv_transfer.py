@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 # Each KVPages message carries at most this many bytes of K plus V. Kept small so that gRPC's copy of a message
 # into its send buffer (made holding the GIL) keeps the engine thread waiting only briefly.
 MAX_CHUNK_BYTES = 1024 * 1024
-# The GIL switch interval (s) of a process that exports pages: the exporter thread's copies would otherwise keep
-# the engine thread from launching the next layer's kernels for up to Python's default 5 ms at a time.
+# The GIL switch interval (s) of a process that exports pages: the exporter thread's Python (its copies release the
+# GIL) would otherwise keep the engine thread from launching the next layer's kernels for up to Python's default
+# 5 ms at a time.
 EXPORT_SWITCH_INTERVAL_S = 0.0005
 
 

@@ -45,10 +45,6 @@ CACHE_VIEW_INTERVAL_S = 0.25
 # Probes in a row that time out before the static registry leaves a worker out (one that refuses or says it is not
 # serving is left out at once).
 DOWN_AFTER_LATE_PROBES = 3
-
-
-class _Late:
-    """A probe that did not answer in time."""
 # Cached blocks a worker publishes at most (8 bytes each: 512 KiB); past it, those in use and the most recently used.
 MAX_SUMMARY_BLOCKS = 65536
 PREFIX_BYTES = 8
@@ -195,6 +191,10 @@ class Registry(Protocol):
 
 # Asks a worker at `address` (in `role`) to describe itself; returns None if it did not answer.
 Probe = Callable[[str, str], Awaitable["WorkerRecord | None"]]
+
+
+class _Late:
+    """A probe that did not answer in time (what `StaticRegistry` counts toward `DOWN_AFTER_LATE_PROBES`)."""
 
 
 class StaticRegistry:
