@@ -3,7 +3,8 @@
     python -m tandem.benchmarks.prefill_forward --model dummy:llama-3.1-8b --device cuda --prompt-len 1024 \\
         --batches 1,4 --repeat 8 --out prefill-forward.json
 
-The same prompts are prefilled three ways by one engine, interleaved, median of `--repeat` steps each:
+The same prompts are prefilled three ways by one engine, interleaved (each repeat starting with the next mode, every
+step after the same idle pause), median of `--repeat` steps each:
 - `local`: what a colocated worker does (store the K/V in its own pool);
 - `mirror`: the cuda-ipc path on one GPU: every layer also stores its K/V into a second pool (the receiver's
   pages); nothing is copied afterwards;
@@ -78,6 +79,23 @@ def measure(engine: Engine, prompts: list[list[int]], mode: str, mirror_layers: 
     return step_s, done_s
 
 
+def profile_step(engine: Engine, prompts: list[list[int]], mode: str, mirror_layers: list[Any],
+                 exporter: PageExporter, counter: list[int], top: int = 12) -> dict[str, Any]:
+    """One step of `mode` under torch's profiler: the kernels (or CPU ops) that took the most device time, and the
+    total, to say where one mode's step differs from another's."""
+    cuda = engine.runner.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step_s, _ = measure(engine, prompts, mode, mirror_layers, exporter, counter)
+    events = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
+    key = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    events.sort(key=key, reverse=True)
+    return {"step_s": step_s, "total_self_us": sum(key(e) for e in events), "unit": "device" if cuda else "cpu",
+            "top": [{"name": e.key[:120], "count": e.count, "self_us": key(e)} for e in events[:top]]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="dummy:tiny")
@@ -87,6 +105,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=8)
     parser.add_argument("--num-kv-blocks", type=int, default=1024)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--settle-s", type=float, default=0.3, help="idle pause before every measured step")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step per mode at the largest batch: kernels by device time")
     parser.add_argument("--switch-interval", type=float, default=EXPORT_SWITCH_INTERVAL_S,
                         help="GIL switch interval (s), as the prefill worker sets it; Python's default is 0.005")
     args = parser.parse_args()
@@ -105,14 +126,18 @@ def main() -> None:
     exporter = PageExporter(engine.runner.kv_cache.tensor)
     counter: list[int] = []
     vocab = config.model.vocab_size
-    rows = []
+    rows: list[dict[str, Any]] = []
     for batch in batches:
         prompts = [[(31 * i + 7 * j) % (vocab - 10) + 5 for j in range(args.prompt_len)] for i in range(batch)]
         times: dict[str, list[tuple[float, float]]] = {"local": [], "mirror": [], "grpc": []}
         for mode in times:  # warm-up of each path at this shape
             measure(engine, prompts, mode, mirror_layers, exporter, counter)
-        for _ in range(args.repeat):
-            for mode in times:
+        modes = list(times)
+        for repeat in range(args.repeat):
+            # Each repeat starts with another mode, after the same pause: a step that follows another one at once
+            # runs on a GPU that is hotter (its clocks lower) than one after an idle moment.
+            for mode in modes[repeat % len(modes):] + modes[:repeat % len(modes)]:
+                time.sleep(args.settle_s)
                 times[mode].append(measure(engine, prompts, mode, mirror_layers, exporter, counter))
         med = {mode: statistics.median(s for s, _ in values) for mode, values in times.items()}
         row = {"batch": batch, "prompt_len": args.prompt_len,
@@ -120,13 +145,17 @@ def main() -> None:
                "grpc_export_done_s": statistics.median(d for _, d in times["grpc"]),
                "mirror_over_local": med["mirror"] / med["local"], "grpc_over_local": med["grpc"] / med["local"],
                "all_s": {mode: [s for s, _ in values] for mode, values in times.items()}}
+        if args.profile and batch == max(batches):
+            row["profile"] = {mode: profile_step(engine, prompts, mode, mirror_layers, exporter, counter)
+                              for mode in times}
         rows.append(row)
     exporter.close()
     report = {"benchmark": "prefill_forward", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "model": args.model, "device": args.device,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "",
               "versions": {"tandem": tandem.__version__, "torch": torch.__version__},
-              "repeat": args.repeat, "switch_interval_s": args.switch_interval, "results": rows}
+              "repeat": args.repeat, "settle_s": args.settle_s, "switch_interval_s": args.switch_interval,
+              "results": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{'batch':>5} {'local ms':>9} {'mirror ms':>10} {'grpc ms':>8} {'export done':>12} {'mirror/local':>13} "
@@ -134,6 +163,12 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>5} {r['local_s'] * 1e3:>9.2f} {r['mirror_s'] * 1e3:>10.2f} {r['grpc_s'] * 1e3:>8.2f} "
               f"{r['grpc_export_done_s'] * 1e3:>12.2f} {r['mirror_over_local']:>13.3f} {r['grpc_over_local']:>11.3f}")
+    for r in rows:
+        for mode, prof in r.get("profile", {}).items():
+            print(f"batch {r['batch']} {mode}: {prof['total_self_us'] / 1e3:.2f} ms of {prof['unit']} time in the "
+                  f"profiled step ({prof['step_s'] * 1e3:.2f} ms); most:")
+            for e in prof["top"][:6]:
+                print(f"  {e['self_us'] / 1e3:8.2f} ms  x{e['count']:<5} {e['name'][:90]}")
 
 
 if __name__ == "__main__":

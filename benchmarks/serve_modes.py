@@ -36,26 +36,26 @@ from tandem.launcher import free_port
 
 
 def stack_command(mode: str, model: str, device: str, port: int, http_port: int, status: Path,
-                  max_num_seqs: int) -> list[str]:
+                  max_num_seqs: int, num_prefill: int = 1) -> list[str]:
     command = [sys.executable, "-m", "tandem.cli", "up", "--model", model, "--device", device, "--decode", "1",
                "--port", str(port), "--http-port", str(http_port), "--status-file", str(status),
                "--max-num-seqs", str(max_num_seqs)]
     if mode == "colocated":
         return command + ["--prefill", "0"]
     if mode == "disagg":
-        return command + ["--prefill", "1"]
+        return command + ["--prefill", str(num_prefill)]
     if mode == "timeshared":
-        return command + ["--prefill", "1", "--gpu-split", "off"]
+        return command + ["--prefill", str(num_prefill), "--gpu-split", "off"]
     if mode == "grpc":
-        return command + ["--prefill", "1", "--kv-transport", "grpc"]
+        return command + ["--prefill", str(num_prefill), "--kv-transport", "grpc"]
     if mode.startswith("split:"):
-        return command + ["--prefill", "1", "--gpu-split", mode.removeprefix("split:")]
+        return command + ["--prefill", str(num_prefill), "--gpu-split", mode.removeprefix("split:")]
     raise SystemExit(f"--mode: colocated, disagg, timeshared, grpc or split:P[:D], got {mode!r}")
 
 
 @contextlib.contextmanager
 def running_stack(mode: str, model: str, device: str, max_num_seqs: int, extra_args: list[str],
-                  out: Path) -> Iterator[tuple[str, float]]:
+                  out: Path, num_prefill: int = 1) -> Iterator[tuple[str, float]]:
     """`tandem up` in `mode` with `extra_args`, its log beside `out`; yields (gateway address, start-up seconds)
     once it is serving, and stops it (SIGTERM) afterwards."""
     port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
@@ -63,8 +63,8 @@ def running_stack(mode: str, model: str, device: str, max_num_seqs: int, extra_a
     log = out.with_suffix(".stack.log")
     out.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as log_file:
-        stack = subprocess.Popen(stack_command(mode, model, device, port, http_port, status, max_num_seqs)
-                                 + extra_args,
+        command = stack_command(mode, model, device, port, http_port, status, max_num_seqs, num_prefill)
+        stack = subprocess.Popen(command + extra_args,
                                  stdout=log_file, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         started = time.monotonic()
@@ -117,14 +117,16 @@ def main() -> None:
     parser.add_argument("--tpot-slo", type=float, default=0.05)
     parser.add_argument("--stack-args", default="",
                         help="more `tandem up` flags, e.g. '--no-chunked-prefill' or '--quantization fp8'")
+    parser.add_argument("--prefill-workers", type=int, default=1,
+                        help="prefill workers of the modes that have them (all on the one GPU)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
     from tandem.benchmarks.serve import run
 
     command_args = shlex.split(args.stack_args)
-    with running_stack(args.mode, args.model, args.device, args.max_num_seqs, command_args, args.out) as (address,
-                                                                                                        startup_s):
+    with running_stack(args.mode, args.model, args.device, args.max_num_seqs, command_args, args.out,
+                       args.prefill_workers) as (address, startup_s):
         prompt_tokens = int(args.prompt_len.split(":")[1])
         cold = first_request_ttft(address, prompt_tokens)
         results = run(address, [float(r) for r in args.rates.split(",")], args.num_requests, args.prompt_len,
@@ -132,6 +134,7 @@ def main() -> None:
                       f"{args.mode} {args.stack_args}".strip())
     report: dict[str, Any] = {
         "benchmark": "serve_modes", "mode": args.mode, "stack_args": command_args, "model": args.model,
+        "prefill_workers": 0 if args.mode == "colocated" else args.prefill_workers,
         "device": args.device,
         "prompt_len": args.prompt_len, "output_len": args.output_len, "num_requests": args.num_requests,
         "ttft_slo_s": args.ttft_slo, "tpot_slo_s": args.tpot_slo, "stack_startup_s": startup_s,

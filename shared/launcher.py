@@ -31,6 +31,55 @@ from tandem.mps import GpuSplit, MpsDaemon
 from tandem.serving.auth import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_FILE_ENV, generate_token, load_internal_token
 from tandem.serving.rpc import TlsConfig
 
+# Of the GPU's memory, what the workers sharing one GPU take together (each its own share of it).
+GPU_MEMORY_FRACTION_SHARED = 0.85
+# A prefill worker's KV pool, in steps of its token budget: room for a batch of prompts in flight and a prefix cache
+# (decode workers hold the requests' pages while they decode: they get the rest of the GPU).
+PREFILL_POOL_STEPS = 8
+# Its activations, CUDA graphs and the allocator's slack beside weights and pool.
+PREFILL_WORKSPACE_BYTES = 6 << 30
+
+
+def weight_bytes_estimate(model: Any, quantization: str | None) -> int:
+    """The bytes of a Llama-family model's weights from its config: the projections in 2 bytes (1 when quantized to
+    int8 or fp8, which leave the embeddings and the output head in 2), norms left out."""
+    hidden, inter = model.hidden_size, model.intermediate_size
+    attn_out = model.num_attention_heads * model.head_dim
+    kv = model.num_key_value_heads * model.head_dim
+    per_layer = hidden * (attn_out + 2 * kv) + attn_out * hidden + 3 * hidden * inter
+    embed = model.vocab_size * hidden * (1 if model.tie_word_embeddings else 2)
+    return per_layer * model.num_hidden_layers * (1 if quantization else 2) + embed * 2
+
+
+def gpu_memory_shares(model: Any, total_bytes: int, num_prefill: int, num_decode: int, prefill_batched_tokens: int,
+                      kv_bytes_per_token: int, quantization: str | None = None) -> tuple[float, float]:
+    """(each prefill worker's, each decode worker's) fraction of one GPU's memory when they share it. A prefill
+    worker needs its weights, a pool of `PREFILL_POOL_STEPS` steps and a workspace; an even split left decode's pool
+    too small for the requests at high load when two prefill workers shared an H200 with it (llama-3.1-8b: ~125
+    requests of 1,280 tokens, against 128 running), so the decode workers get the rest."""
+    equal = GPU_MEMORY_FRACTION_SHARED / max(1, num_prefill + num_decode)
+    if not num_prefill or not num_decode or total_bytes <= 0:
+        return round(equal, 3), round(equal, 3)
+    need = (weight_bytes_estimate(model, quantization) + PREFILL_POOL_STEPS * prefill_batched_tokens
+            * kv_bytes_per_token + PREFILL_WORKSPACE_BYTES)
+    prefill = min(equal, need / total_bytes)
+    decode = (GPU_MEMORY_FRACTION_SHARED - num_prefill * prefill) / num_decode
+    if decode < equal:  # (not with the weights above: the prefill workers need no less than an even share)
+        return round(equal, 3), round(equal, 3)
+    return round(prefill, 3), round(decode, 3)
+
+
+def gpu_total_bytes() -> int:
+    """The smallest GPU's memory on this host from `nvidia-smi` (the launcher itself never opens CUDA: under MPS it
+    would become a client); 0 when it cannot tell."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return min(int(line) for line in out.split()) << 20  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return 0
+
+
 # A Redis URL with a password reaches the services in the environment, not on their command lines (which `ps`
 # shows every user of the machine).
 REDIS_URL_ENV = "TANDEM_REDIS_URL"
@@ -152,10 +201,13 @@ class Stack:
         if o.redis_url and not _has_password(o.redis_url):
             common += ["--redis", o.redis_url]  # with a password: $TANDEM_REDIS_URL (`child_env`)
         engine_flags = ["--device", o.device, "--threads", str(o.threads), "--max-num-seqs", str(o.max_num_seqs)]
+        shares: dict[str, float] = {}
         if o.device.startswith("cuda"):
             # Workers on one GPU split it: each sizes its KV pool from its own share.
-            share = o.gpu_memory_fraction or round(0.85 / max(1, o.num_prefill + o.num_decode), 3)
-            engine_flags += ["--gpu-memory-fraction", str(share)]
+            if o.gpu_memory_fraction:
+                shares = {"prefill": o.gpu_memory_fraction, "decode": o.gpu_memory_fraction}
+            else:
+                shares = dict(zip(("prefill", "decode"), self._memory_shares(), strict=True))
         if o.num_kv_blocks:
             engine_flags += ["--num-kv-blocks", str(o.num_kv_blocks)]
         if o.max_model_len:
@@ -185,9 +237,10 @@ class Stack:
                     decode_flags += ["--speculative-config", o.speculative_config]
                 for peer in workers["prefill"]:  # the prefill workers it may pull from (planned first)
                     decode_flags += ["--prefill", peer]
+                memory = ["--gpu-memory-fraction", str(shares[role])] if shares else []
                 self.services.append(Service(
                     role, address, f"http://{o.host}:{http_port}",
-                    base + [role, *common, *engine_flags, "--host", o.host, "--port", str(port),
+                    base + [role, *common, *engine_flags, *memory, "--host", o.host, "--port", str(port),
                             "--http-port", str(http_port)] + (decode_flags if role == "decode" else []),
                     log_dir / f"{role}-{i}.log"))
         # Port 0 means "pick a free one": picked here, so that the launcher knows where the gateway listens.
@@ -210,6 +263,25 @@ class Stack:
                 gateway += ["--decode", address]
         self.services.insert(0, Service("gateway", f"{o.host}:{gateway_port}",
                                         f"http://{o.host}:{gateway_http_port}", gateway, log_dir / "gateway.log"))
+
+    def _memory_shares(self) -> tuple[float, float]:
+        """Each prefill and decode worker's fraction of the GPU (`gpu_memory_shares`); an even split when the model's
+        shape or the GPU's memory cannot be read here."""
+        from tandem.common.config import PREFILL_BATCHED_TOKENS_CUDA
+        from tandem.models import load_model_config
+
+        o = self.options
+        try:
+            model = load_model_config(o.model, fetch=False)
+        except Exception:  # the worker reports a bad model itself; the shares need only a shape
+            model = None
+        total = gpu_total_bytes() if model is not None else 0
+        if model is None:
+            return gpu_memory_shares(None, 0, o.num_prefill, o.num_decode, 0, 0)
+        kv_per_token = (2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
+                        * (1 if o.kv_cache_dtype == "fp8" else 2))  # a GPU's pages: fp8, or bf16
+        return gpu_memory_shares(model, total, o.num_prefill, o.num_decode,
+                                 o.max_num_batched_tokens or PREFILL_BATCHED_TOKENS_CUDA, kv_per_token, o.quantization)
 
     def child_env(self, role: str) -> dict[str, str]:
         """The environment a service of this stack runs in: ours, with the stack's internal token (planned)."""

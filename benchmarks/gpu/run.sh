@@ -43,6 +43,11 @@
 #            the serve benchmark with --kv-transport grpc at 2 req/s, ~3 min
 #   split2   #14's ITL target at 8-32 req/s: prefill capped at 70% and 50% of the SMs (decode uncapped) under MPS,
 #            against the 12-03 defaults' numbers (100:100), ~5 min
+#   split3   #14 on one GPU: two prefill workers capped at 70% (then 60%) of the SMs under MPS, decode uncapped,
+#            against colocated at 2-48 req/s (same seeds); the prefill forward profiled at batch 4, ~9 min
+#   split4   split3 after the GPU's memory went by role (prefill workers their weights and a pool of 8 steps, decode
+#            the rest): prefill forward with rotated order, two prefill workers at 60%, the default disagg, ~8 min
+#   split5   split4's serve runs only (after the pools' fix), prefill workers at 60% and 70%, ~8 min
 #   gc       the collector settled after start-up vs Python's default (gateway alone, #15's 1B rows), and the
 #            random-prompt workload alone with the cache on/off in both orders (#17), ~7 min
 #
@@ -100,10 +105,12 @@ step() {
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     kill "$watchdog" 2> /dev/null
-    if [ "$rc" != 0 ]; then
+    if [ "$rc" != 0 ] || [ "${KEEP_LOGS:-0}" = 1 ]; then  # KEEP_LOGS=1: the services' logs of every step
         mkdir -p "$OUT/$name-service-logs"
         find "${TANDEM_HOME:-$HOME/.cache/tandem}/logs" -type f -newermt "@$since" \
             -exec cp --backup=numbered -t "$OUT/$name-service-logs" {} + 2> /dev/null
+    fi
+    if [ "$rc" != 0 ]; then
         pkill -KILL -f "tandem[.]cli (up|prefill|decode|gateway)"  # what the killed step left running
     fi
     cat "$OUT/$name.log" >> "$LOG"
@@ -639,6 +646,59 @@ suite_split2() {
             --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 8,16,32 4)" --num-requests "$(n 128 4)" \
             --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-split-${split/:/-}.json"
     done
+}
+
+# #14 on one GPU: two prefill workers each capped (so one prompt alone leaves decode SMs; two at once use the GPU),
+# against colocated, same seeds; the prefill forward profiled at batch 4 (mirror / grpc vs local).
+suite_split3() {
+    clocks_start
+    step prefill-forward 90 $PY -m tandem.benchmarks.prefill_forward --model "$BIG" --device "$DEVICE" \
+        --prompt-len "$(n 1024 48)" --batches 1,4 --repeat "$(n 8 2)" --profile --out "$OUT/prefill-forward.json"
+    step serve-colocated 170 $PY -m tandem.benchmarks.serve_modes --mode colocated --model "$BIG" \
+        --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" --num-requests "$(n 128 4)" \
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-colocated.json"
+    local split
+    for split in ${SPLITS:-70:100 60:100}; do
+        local mode="split:$split"
+        [ "$SCALE" = 1 ] || mode=disagg  # no MPS on the CPU: the same stack without the caps
+        step "serve-2p-${split/:/-}" 170 $PY -m tandem.benchmarks.serve_modes --mode "$mode" --prefill-workers 2 \
+            --model "$BIG" --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" \
+            --num-requests "$(n 128 4)" --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" \
+            --out "$OUT/serve-2p-${split/:/-}.json"
+    done
+}
+
+# The GPU's SM clock, power and temperature every 100 ms into $OUT/clocks.csv, until the suite ends.
+clocks_start() {
+    command -v nvidia-smi > /dev/null || return 0
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 100 > "$OUT/clocks.csv" &
+    CLOCKS_PID=$!
+    trap 'kill $CLOCKS_PID 2> /dev/null' EXIT
+}
+
+# split3 again after the memory shares by role; its prefill forward with rotated order and pauses.
+suite_split4() {
+    KEEP_LOGS=1 SPLITS="${SPLITS:-60:100}" suite_split3_no_coloc
+}
+suite_split5() {
+    KEEP_LOGS=1 SKIP_FORWARD=1 SPLITS="${SPLITS:-60:100 70:100}" suite_split3_no_coloc
+}
+suite_split3_no_coloc() {
+    clocks_start
+    [ "${SKIP_FORWARD:-0}" = 1 ] || step prefill-forward 100 $PY -m tandem.benchmarks.prefill_forward --model "$BIG" --device "$DEVICE" \
+        --prompt-len "$(n 1024 48)" --batches 1,4 --repeat "$(n 8 2)" --out "$OUT/prefill-forward.json"
+    local split
+    for split in $SPLITS; do
+        local mode="split:$split"
+        [ "$SCALE" = 1 ] || mode=disagg
+        step "serve-2p-${split/:/-}" 170 $PY -m tandem.benchmarks.serve_modes --mode "$mode" --prefill-workers 2 \
+            --model "$BIG" --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" \
+            --num-requests "$(n 128 4)" --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" \
+            --out "$OUT/serve-2p-${split/:/-}.json"
+    done
+    step serve-disagg 170 $PY -m tandem.benchmarks.serve_modes --mode disagg --model "$BIG" \
+        --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" --num-requests "$(n 128 4)" \
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-disagg.json"
 }
 
 # One 32k prompt among 64 streams (#16), offline throughput with and without piecewise graphs (#16: not lower).

@@ -7,6 +7,7 @@ token per sequence for decode), runs the forward, and samples one token per requ
 from __future__ import annotations
 
 import array
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -34,6 +35,8 @@ from tandem.kernels.paged_decode_attention import choose_num_splits
 _ARRAY_TYPECODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
 assert all(array.array(code).itemsize == torch.tensor([], dtype=dtype).element_size()
            for dtype, code in _ARRAY_TYPECODES.items())
+
+log = logging.getLogger(__name__)
 
 
 def host_tensor(values: list, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -106,6 +109,10 @@ class ModelRunner:
             self.model = LlamaForCausalLM(model_config, self.ops).to(self.dtype)
         load_weights(self.model, model_config)  # quantizes the projections with model_config.quantization
         self.model.eval().requires_grad_(False)
+        if self.device.type == "cuda":
+            # The model was built in float32, then cast: give the float32 copy's memory back to the GPU, so that the
+            # pool's budget counts what this process holds (not what its allocator kept) and peers get the rest.
+            torch.cuda.empty_cache()
         if self.device.type == "cpu":
             # oneDNN with prepacked weights: ~4x MKL on decode-sized GEMMs (the fp32 linears left after quantization)
             pack_linears(self.model)
@@ -117,6 +124,9 @@ class ModelRunner:
                                             extra_bytes_per_block=extra_kv_bytes_per_block,
                                             reserved_bytes=reserved_kv_bytes)
         self.kv_cache = KVCache(model_config, self.block_size, num_blocks, kv_dtype, self.device)
+        log.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks, self.block_size,
+                 num_blocks * self.block_size, self.kv_cache.tensor.numel() * self.kv_cache.tensor.element_size()
+                 / (1 << 30), kv_dtype)
         self.model.set_kv_scales(self.kv_cache.scales)
         self.kv_layers = self.kv_cache.layers
         self.cos_sin = cos_sin_cache(model_config.rope, model_config.head_dim, self.max_model_len, self.device)

@@ -1,16 +1,20 @@
 """Engine choices reach every surface: `EngineConfig` resolves async scheduling for the device, `tandem up` passes
-`--async-scheduling/--no-async-scheduling` to its workers, and a bad `--gpu-split` is refused naming the flag."""
+`--async-scheduling/--no-async-scheduling` to its workers, and a bad `--gpu-split` is refused naming the flag; workers
+sharing one GPU get memory shares by role."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from pytest import MonkeyPatch
 from typer.testing import CliRunner
 
+from tandem import launcher
 from tandem.cli import app
 from tandem.common.config import EngineConfig
 from tandem.launcher import Stack, StackOptions
 from tandem.models import load_model_config
+from tandem.mps import GpuSplit
 
 
 def test_async_scheduling_is_on_for_cuda_and_off_on_the_cpu_unless_chosen() -> None:
@@ -38,3 +42,63 @@ def test_a_bad_gpu_split_is_refused_naming_the_flag() -> None:
         result = runner.invoke(app, ["up", "--model", "dummy:tiny", *args])
         assert result.exit_code == 2, result.output
         assert named in result.output
+
+
+def test_gpu_memory_shares_give_prefill_workers_what_they_need_and_decode_the_rest() -> None:
+    model = load_model_config("dummy:llama-3.1-8b", fetch=False)
+    total = 143_771 << 20  # an H200
+    kv_per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * 2
+    weights = launcher.weight_bytes_estimate(model, None)
+    assert 15.5e9 < weights < 16.5e9  # Llama-3.1-8B's ~8.0B parameters in bf16
+    assert launcher.weight_bytes_estimate(model, "int8") < 0.6 * weights
+    need = weights + launcher.PREFILL_POOL_STEPS * 8192 * kv_per_token + launcher.PREFILL_WORKSPACE_BYTES
+    for num_prefill in (1, 2):
+        prefill, decode = launcher.gpu_memory_shares(model, total, num_prefill, 1, 8192, kv_per_token)
+        assert abs(prefill - need / total) < 1e-3
+        assert abs(num_prefill * prefill + decode - launcher.GPU_MEMORY_FRACTION_SHARED) < 2e-3
+        assert decode > prefill
+    # Two decode workers split the rest; so many prefill workers that decode would get less than an even split,
+    # no prefill worker, or an unknown GPU: an even split.
+    prefill, decode = launcher.gpu_memory_shares(model, total, 1, 2, 8192, kv_per_token)
+    assert abs(prefill + 2 * decode - launcher.GPU_MEMORY_FRACTION_SHARED) < 2e-3
+    for num_prefill, num_decode, gpu in ((6, 1, total), (0, 1, total), (1, 1, 0)):
+        even = round(launcher.GPU_MEMORY_FRACTION_SHARED / (num_prefill + num_decode), 3)
+        assert launcher.gpu_memory_shares(model, gpu, num_prefill, num_decode, 8192, kv_per_token) == (even, even)
+
+
+def test_weight_estimate_matches_the_model_built() -> None:
+    import dataclasses
+
+    import torch
+
+    from tandem.engine.model import LlamaForCausalLM
+    from tandem.kernels import get_ops
+
+    tiny = load_model_config("dummy:tiny", fetch=False)
+    big = load_model_config("dummy:llama-3.1-8b", fetch=False)
+    for model_config in (tiny, dataclasses.replace(tiny, tie_word_embeddings=False), big):
+        with torch.device("meta"):  # shapes only
+            model = LlamaForCausalLM(model_config, get_ops("torch"))
+        params = {id(p): p for p in model.parameters()}.values()  # tied embeddings once
+        numel = sum(p.numel() for p in params if p.dim() == 2)  # the norms left out, as the estimate does
+        assert launcher.weight_bytes_estimate(model_config, None) == 2 * numel, model_config.name
+
+
+def test_tandem_up_on_one_gpu_gives_each_role_its_memory_share(tmp_path: Path, monkeypatch: MonkeyPatch) -> None:
+    monkeypatch.setattr(launcher, "gpu_total_bytes", lambda: 143_771 << 20)
+    stack = Stack(StackOptions(model="dummy:llama-3.1-8b", device="cuda", num_prefill=2, log_dir=tmp_path,
+                               gpu_split=GpuSplit(70, 100)))
+    stack._plan()
+    shares: dict[str, set[float]] = {}
+    for service in stack.services:
+        if service.role != "gateway":
+            command = service.command
+            shares.setdefault(service.role, set()).add(float(command[command.index("--gpu-memory-fraction") + 1]))
+    (prefill,), (decode,) = shares["prefill"], shares["decode"]
+    assert 0.15 < prefill < 0.25 and abs(2 * prefill + decode - 0.85) < 2e-3
+    # A fraction given on the command line is every worker's.
+    stack = Stack(StackOptions(model="dummy:llama-3.1-8b", device="cuda", num_prefill=2, log_dir=tmp_path,
+                               gpu_split=GpuSplit(70, 100), gpu_memory_fraction=0.3))
+    stack._plan()
+    assert all(s.command[s.command.index("--gpu-memory-fraction") + 1] == "0.3"
+               for s in stack.services if s.role != "gateway")
