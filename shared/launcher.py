@@ -62,10 +62,8 @@ def gpu_memory_shares(model: Any, total_bytes: int, num_prefill: int, num_decode
         return round(equal, 3), round(equal, 3)
     need = (weight_bytes_estimate(model, quantization) + PREFILL_POOL_STEPS * prefill_batched_tokens
             * kv_bytes_per_token + PREFILL_WORKSPACE_BYTES)
-    prefill = min(equal, need / total_bytes)
+    prefill = min(equal, need / total_bytes)  # never more than an even share: decode never gets less than one
     decode = (GPU_MEMORY_FRACTION_SHARED - num_prefill * prefill) / num_decode
-    if decode < equal:  # (not with the weights above: the prefill workers need no less than an even share)
-        return round(equal, 3), round(equal, 3)
     return round(prefill, 3), round(decode, 3)
 
 

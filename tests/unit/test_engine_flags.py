@@ -57,8 +57,8 @@ def test_gpu_memory_shares_give_prefill_workers_what_they_need_and_decode_the_re
         assert abs(prefill - need / total) < 1e-3
         assert abs(num_prefill * prefill + decode - launcher.GPU_MEMORY_FRACTION_SHARED) < 2e-3
         assert decode > prefill
-    # Two decode workers split the rest; so many prefill workers that decode would get less than an even split,
-    # no prefill worker, or an unknown GPU: an even split.
+    # Two decode workers split the rest; so many prefill workers that each would need more than an even share, no
+    # prefill worker, or an unknown GPU: an even split.
     prefill, decode = launcher.gpu_memory_shares(model, total, 1, 2, 8192, kv_per_token)
     assert abs(prefill + 2 * decode - launcher.GPU_MEMORY_FRACTION_SHARED) < 2e-3
     for num_prefill, num_decode, gpu in ((6, 1, total), (0, 1, total), (1, 1, 0)):
