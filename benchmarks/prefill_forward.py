@@ -89,9 +89,8 @@ def profile_step(engine: Engine, prompts: list[list[int]], mode: str, mirror_lay
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         step_s, _ = measure(engine, prompts, mode, mirror_layers, exporter, counter)
-    events = [e for e in prof.key_averages() if (e.self_device_time_total if cuda else e.self_cpu_time_total) > 0]
     key = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
-    events.sort(key=key, reverse=True)
+    events = sorted((e for e in prof.key_averages() if key(e) > 0), key=key, reverse=True)
     return {"step_s": step_s, "total_self_us": sum(key(e) for e in events), "unit": "device" if cuda else "cpu",
             "top": [{"name": e.key[:120], "count": e.count, "self_us": key(e)} for e in events[:top]]}
 

@@ -42,14 +42,15 @@ def stack_command(mode: str, model: str, device: str, port: int, http_port: int,
                "--max-num-seqs", str(max_num_seqs)]
     if mode == "colocated":
         return command + ["--prefill", "0"]
+    command += ["--prefill", str(num_prefill)]
     if mode == "disagg":
-        return command + ["--prefill", str(num_prefill)]
+        return command
     if mode == "timeshared":
-        return command + ["--prefill", str(num_prefill), "--gpu-split", "off"]
+        return command + ["--gpu-split", "off"]
     if mode == "grpc":
-        return command + ["--prefill", str(num_prefill), "--kv-transport", "grpc"]
+        return command + ["--kv-transport", "grpc"]
     if mode.startswith("split:"):
-        return command + ["--prefill", str(num_prefill), "--gpu-split", mode.removeprefix("split:")]
+        return command + ["--gpu-split", mode.removeprefix("split:")]
     raise SystemExit(f"--mode: colocated, disagg, timeshared, grpc or split:P[:D], got {mode!r}")
 
 

@@ -272,13 +272,12 @@ class Stack:
         try:
             model = load_model_config(o.model, fetch=False)
         except Exception:  # the worker reports a bad model itself; the shares need only a shape
-            model = None
-        total = gpu_total_bytes() if model is not None else 0
-        if model is None:
             return gpu_memory_shares(None, 0, o.num_prefill, o.num_decode, 0, 0)
+        # `tandem.engine.kv_cache.bytes_per_block` of one token, without torch in this process: a GPU's pages are
+        # fp8 or bf16.
         kv_per_token = (2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
-                        * (1 if o.kv_cache_dtype == "fp8" else 2))  # a GPU's pages: fp8, or bf16
-        return gpu_memory_shares(model, total, o.num_prefill, o.num_decode,
+                        * (1 if o.kv_cache_dtype == "fp8" else 2))
+        return gpu_memory_shares(model, gpu_total_bytes(), o.num_prefill, o.num_decode,
                                  o.max_num_batched_tokens or PREFILL_BATCHED_TOKENS_CUDA, kv_per_token, o.quantization)
 
     def child_env(self, role: str) -> dict[str, str]:

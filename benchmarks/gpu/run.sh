@@ -652,19 +652,48 @@ suite_split2() {
 # against colocated, same seeds; the prefill forward profiled at batch 4 (mirror / grpc vs local).
 suite_split3() {
     clocks_start
-    step prefill-forward 90 $PY -m tandem.benchmarks.prefill_forward --model "$BIG" --device "$DEVICE" \
-        --prompt-len "$(n 1024 48)" --batches 1,4 --repeat "$(n 8 2)" --profile --out "$OUT/prefill-forward.json"
-    step serve-colocated 170 $PY -m tandem.benchmarks.serve_modes --mode colocated --model "$BIG" \
-        --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" --num-requests "$(n 128 4)" \
-        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-colocated.json"
+    forward_rotated --profile
+    serve_one_gpu serve-colocated --mode colocated
+    serve_two_prefill ${SPLITS:-70:100 60:100}
+}
+
+# split3 again after the memory shares by role: the forward with rotated order and pauses, then the serve runs
+# (split5: the serve runs only, after the pools' fix).
+suite_split4() {
+    clocks_start
+    local KEEP_LOGS=1  # every step keeps its services' logs (step reads it)
+    forward_rotated
+    serve_two_prefill ${SPLITS:-60:100}
+    serve_one_gpu serve-disagg --mode disagg
+}
+suite_split5() {
+    clocks_start
+    local KEEP_LOGS=1  # every step keeps its services' logs (step reads it)
+    serve_two_prefill ${SPLITS:-60:100 70:100}
+    serve_one_gpu serve-disagg --mode disagg
+}
+
+# The prefill forward against local (`prefill_forward`: modes rotated, a pause before each step), batches 1 and 4.
+forward_rotated() {
+    step prefill-forward 100 $PY -m tandem.benchmarks.prefill_forward --model "$BIG" --device "$DEVICE" \
+        --prompt-len "$(n 1024 48)" --batches 1,4 --repeat "$(n 8 2)" "$@" --out "$OUT/prefill-forward.json"
+}
+
+# serve_one_gpu NAME ARGS...: #14's serve benchmark (1,024 / 256 tokens, 2-48 req/s, 128 requests per rate).
+serve_one_gpu() {
+    local name=$1; shift
+    step "$name" 170 $PY -m tandem.benchmarks.serve_modes "$@" --model "$BIG" --device "$DEVICE" \
+        --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" --num-requests "$(n 128 4)" \
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/$name.json"
+}
+
+# serve_two_prefill P:D...: the same with two prefill workers under each MPS cap (no MPS on the CPU: uncapped).
+serve_two_prefill() {
     local split
-    for split in ${SPLITS:-70:100 60:100}; do
+    for split in "$@"; do
         local mode="split:$split"
-        [ "$SCALE" = 1 ] || mode=disagg  # no MPS on the CPU: the same stack without the caps
-        step "serve-2p-${split/:/-}" 170 $PY -m tandem.benchmarks.serve_modes --mode "$mode" --prefill-workers 2 \
-            --model "$BIG" --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" \
-            --num-requests "$(n 128 4)" --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" \
-            --out "$OUT/serve-2p-${split/:/-}.json"
+        [ "$SCALE" = 1 ] || mode=disagg
+        serve_one_gpu "serve-2p-${split/:/-}" --mode "$mode" --prefill-workers 2
     done
 }
 
@@ -674,31 +703,6 @@ clocks_start() {
     nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 100 > "$OUT/clocks.csv" &
     CLOCKS_PID=$!
     trap 'kill $CLOCKS_PID 2> /dev/null' EXIT
-}
-
-# split3 again after the memory shares by role; its prefill forward with rotated order and pauses.
-suite_split4() {
-    KEEP_LOGS=1 SPLITS="${SPLITS:-60:100}" suite_split3_no_coloc
-}
-suite_split5() {
-    KEEP_LOGS=1 SKIP_FORWARD=1 SPLITS="${SPLITS:-60:100 70:100}" suite_split3_no_coloc
-}
-suite_split3_no_coloc() {
-    clocks_start
-    [ "${SKIP_FORWARD:-0}" = 1 ] || step prefill-forward 100 $PY -m tandem.benchmarks.prefill_forward --model "$BIG" --device "$DEVICE" \
-        --prompt-len "$(n 1024 48)" --batches 1,4 --repeat "$(n 8 2)" --out "$OUT/prefill-forward.json"
-    local split
-    for split in $SPLITS; do
-        local mode="split:$split"
-        [ "$SCALE" = 1 ] || mode=disagg
-        step "serve-2p-${split/:/-}" 170 $PY -m tandem.benchmarks.serve_modes --mode "$mode" --prefill-workers 2 \
-            --model "$BIG" --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" \
-            --num-requests "$(n 128 4)" --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" \
-            --out "$OUT/serve-2p-${split/:/-}.json"
-    done
-    step serve-disagg 170 $PY -m tandem.benchmarks.serve_modes --mode disagg --model "$BIG" \
-        --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n 2,8,16,32,48 4)" --num-requests "$(n 128 4)" \
-        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-disagg.json"
 }
 
 # One 32k prompt among 64 streams (#16), offline throughput with and without piecewise graphs (#16: not lower).
