@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -52,6 +53,9 @@ from tandem.serving.rpc import start_server
 from tandem.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 # What the fake decode worker "generates" (token ids of it, in a loop): text as a model writes it.
+# The fraction of the GPU the stack's workers and the offline engine beside them take together.
+GPU_SHARE = 0.88
+
 _FAKE_TEXT = ("Disaggregated serving splits prompt processing and generation into pools that scale on their own. "
               "The gateway tokenizes, routes and streams text back to clients — «quickly», even with accents, "
               "emoji 🙂 and numbers like 3.14159 or 2,048. ")
@@ -133,7 +137,8 @@ def run_stack(stack: Stack, address: str, args: argparse.Namespace) -> dict[str,
 class FakeDecode(worker_pb2_grpc.DecodeServicer):
     """A decode worker with no engine (`--fake-decode-step-ms`): every step it adds one token to each running request
     of a session, and its writer sends everything that accumulated since its last message, as
-    `tandem.decode_svc.sessions` does, so that a gateway that lags gets fewer, larger messages."""
+    `tandem.decode_svc.sessions` does, so that a gateway that lags gets fewer, larger messages. A request's first
+    and last tokens come in updates, the others in the message's columns when the gateway gave it a slot."""
 
     def __init__(self, model: str, step_s: float, max_model_len: int) -> None:
         config = load_model_config(model)
@@ -148,7 +153,7 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
 
     async def Session(self, requests: AsyncIterator[worker_pb2.SessionRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.SessionResponse]:
-        running: dict[str, list[int]] = {}  # request id → [tokens sent, max_tokens]
+        running: dict[str, list[int]] = {}  # request id → [tokens sent, max_tokens, slot, first token sent]
         pending = worker_pb2.SessionResponse()
         open_updates: dict[str, worker_pb2.SessionUpdate] = {}  # each request's update in `pending`
         ready, busy = asyncio.Event(), asyncio.Event()
@@ -157,7 +162,8 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
             async for message in requests:
                 if message.WhichOneof("kind") == "start":
                     request = message.start.request
-                    running[request.request_id] = [len(request.output_token_ids), request.sampling.max_tokens]
+                    running[request.request_id] = [len(request.output_token_ids), request.sampling.max_tokens,
+                                                   message.start.slot, 0]
                     busy.set()
                 else:
                     running.pop(message.cancel.request_id, None)
@@ -168,14 +174,24 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
                     busy.clear()
                     await busy.wait()
                 await asyncio.sleep(self.step_s)
+                columns = pending.tokens
                 for request_id, state in list(running.items()):
+                    token_id = self.text_ids[state[0] % len(self.text_ids)]
+                    state[0] += 1
+                    last = state[0] >= state[1]
                     update = open_updates.get(request_id)
+                    if update is None and state[2] and state[3] and not last:
+                        # A steady token of a request with a slot: in the columns, as the engine thread puts it.
+                        columns.slots.append(state[2])
+                        columns.token_ids.append(token_id)
+                        columns.logprobs.append(-1.0)
+                        continue
                     if update is None:
                         update = open_updates[request_id] = pending.updates.add(request_id=request_id)
-                    update.response.token_ids.append(self.text_ids[state[0] % len(self.text_ids)])
+                    update.response.token_ids.append(token_id)
                     update.response.logprobs.append(-1.0)
-                    state[0] += 1
-                    if state[0] >= state[1]:
+                    state[3] = 1
+                    if last:
                         update.response.finish_reason = generation_pb2.FINISH_REASON_LENGTH
                         del running[request_id]
                 ready.set()
@@ -279,16 +295,26 @@ def main() -> None:
                              args.seed))
     port = free_port("127.0.0.1")
     gateway_workers = args.gateway_workers or default_num_workers()
-    stack = Stack(StackOptions(model=args.model, device=args.device, gateway_port=port,
-                               gateway_http_port=free_port("127.0.0.1"), max_model_len=args.max_model_len,
-                               max_num_seqs=args.max_num_seqs, threads=args.threads,
-                               gateway_workers=gateway_workers, stream_interval=args.stream_interval))
+    options = StackOptions(model=args.model, device=args.device, gateway_port=port,
+                           gateway_http_port=free_port("127.0.0.1"), max_model_len=args.max_model_len,
+                           max_num_seqs=args.max_num_seqs, threads=args.threads,
+                           gateway_workers=gateway_workers, stream_interval=args.stream_interval)
+    engine_fraction = 0.85
+    if args.device.startswith("cuda"):
+        # The stack and the offline engine share the GPU: the engine gets the decode worker's share, so both have
+        # the same KV pool, and the three processes take GPU_SHARE together.
+        prefill_share = Stack(options).memory_shares()[0]
+        options = dataclasses.replace(options, gpu_memory_budget=(GPU_SHARE + prefill_share) / 2)
+        engine_fraction = Stack(options).memory_shares()[1]
+        print(f"GPU memory: prefill {prefill_share:.3f}, decode and engine {engine_fraction:.3f} each", flush=True)
+    stack = Stack(options)
     engine_runs: list[dict[str, float]] = []
     stack_runs: list[dict[str, Any]] = []
     stack.start()
     try:
         torch.set_num_threads(args.threads)
-        llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+        llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  gpu_memory_fraction=engine_fraction)
         run_engine(llm, requests[:8])  # warm-up (graphs, allocator, oneDNN packing)
         run_stack(stack, f"127.0.0.1:{port}", argparse.Namespace(**{**vars(args), "num_requests": 8}))
         for i in range(args.repeat):

@@ -16,7 +16,7 @@ from tandem.common.errors import OverloadedError
 from tandem.decode_svc.kv_pull import FallBackLocally, KVPuller, PullRequest
 from tandem.decode_svc.tracing import DecodeTraces
 from tandem.serving import metrics
-from tandem.serving.async_engine import AsyncEngine, RequestStream, ReservedEvent, TokenEvent
+from tandem.serving.async_engine import AsyncEngine, ColumnSink, DirectTokens, RequestStream, ReservedEvent, TokenEvent
 from tandem.serving.telemetry import ending
 from tandem.serving.wire import finish_reason_to_proto, sampling_from_worker
 from tandem.v1 import worker_pb2
@@ -54,14 +54,16 @@ class RequestRunner:
 
     async def run(self, request: worker_pb2.DecodeRequest, deadline: float | None,
                   trace_carrier: Iterable[tuple[str, str | bytes]] | None, token_sink: TokenSink | None = None,
-                  ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+                  columns: tuple[ColumnSink, int] | None = None) -> AsyncIterator[worker_pb2.DecodeResponse]:
         """The request's responses, inside its `decode.generate` span (continuing the caller's trace), with the
         latency metrics of the request as decode sees it. `deadline` is on `time.monotonic()`'s clock.
 
         With `token_sink` (a session's), the steps after the first response that carry only tokens go to it as
         they arrive, on the event loop, without waking this request's task (one task hop per token per request
         was most of decode's serving CPU per token); the first response, the last, errors and anything with
-        more than tokens still come as responses, in order with the sunk tokens."""
+        more than tokens still come as responses, in order with the sunk tokens. With `columns` (a session's sink
+        and the request's slot in it), those steps' tokens go there instead, straight from the engine thread
+        (`tandem.serving.async_engine`'s docstring); `columns` wins over `token_sink`."""
         arrival = time.perf_counter()
         req_id = request.request_id
         if self.num_queued >= self.max_queued:
@@ -69,12 +71,13 @@ class RequestRunner:
             raise OverloadedError(f"decode worker has {self.num_queued} requests waiting (limit {self.max_queued})")
         span = self.traces.start(req_id, len(request.prompt_token_ids), trace_carrier)
         time_to_first_token_s, num_tokens = 0.0, 0
-        direct = None if token_sink is None else _Direct(token_sink)
+        direct = None if token_sink is None or columns is not None else _Direct(token_sink)
+        direct_tokens = None if columns is None else DirectTokens(*columns)
         self.num_queued += 1
         is_queued = True
         try:
             with ending(span):
-                async with contextlib.aclosing(self._generate(request, deadline, direct)) as responses:
+                async with contextlib.aclosing(self._generate(request, deadline, direct, direct_tokens)) as responses:
                     async for response in responses:
                         if is_queued:
                             self.num_queued -= 1
@@ -84,16 +87,21 @@ class RequestRunner:
                             response.time_to_first_token_s = time_to_first_token_s
                         num_tokens += len(response.token_ids)
                         if response.finish_reason:
+                            num_direct = (direct.num_tokens if direct is not None else 0) + (
+                                direct_tokens.num_tokens if direct_tokens is not None else 0)
                             metrics.observe_latency(time_to_first_token_s, time.perf_counter() - arrival,
-                                                    num_tokens + (direct.num_tokens if direct is not None else 0))
+                                                    num_tokens + num_direct)
                         yield response
         finally:
             if is_queued:
                 self.num_queued -= 1
+            if direct_tokens is not None:
+                self.traces.add_steps(req_id, *direct_tokens.take_counts())
             self.traces.finish(req_id)
 
     async def _generate(self, request: worker_pb2.DecodeRequest, deadline: float | None,
-                        direct: _Direct | None = None) -> AsyncGenerator[worker_pb2.DecodeResponse, None]:
+                        direct: _Direct | None = None, direct_tokens: DirectTokens | None = None,
+                        ) -> AsyncGenerator[worker_pb2.DecodeResponse, None]:
         engine = self.engine
         req_id = request.request_id
         prompt = list(request.prompt_token_ids)
@@ -120,6 +128,8 @@ class RequestRunner:
                     if isinstance(event, _PullFailed):
                         raise event.error
                     assert isinstance(event, TokenEvent)
+                    if direct_tokens is not None:  # the steps that went to the columns count before this one
+                        self.traces.add_steps(req_id, *direct_tokens.take_counts())
                     self.traces.on_event(req_id, event)
                     # Per request per step: only the fields a decoding request's update sets (the rest read as 0).
                     response = worker_pb2.DecodeResponse(token_ids=event.token_ids, logprobs=event.logprobs)
@@ -138,7 +148,9 @@ class RequestRunner:
                     yield response
                     if event.finish_reason is not None:
                         return
-                    if direct is not None and events.sink is None:
+                    if direct_tokens is not None:
+                        events.direct = direct_tokens
+                    elif direct is not None and events.sink is None:
                         events.sink = self._sink(req_id, direct)
             finally:
                 if admission is not None and admission.is_recording() and pull is None:

@@ -5,6 +5,10 @@ that accumulated since its last message, which is one message per engine step wh
 larger ones when it does not (each request's tokens of several steps then in one update). A failed request gets
 an update with its status and the others go on.
 
+A request started with a slot has its steady tokens (after its first update) sent in the message's token columns,
+straight from the engine thread (`tandem.serving.async_engine`): the gateway reads the columns before the updates,
+so a request's tokens that come after one of its updates in the same message join that update instead.
+
 While requests are in flight, the writer also sends an empty message whenever it has sent nothing for
 `SESSION_HEARTBEAT_S` (a request waiting on a long prefill, say): the gateway takes a session that stays silent
 far longer for a frozen worker and moves its requests elsewhere. Heartbeats come from this writer, not from the
@@ -43,11 +47,15 @@ class _Session:
     # Each request's token update in `pending`: the tokens of its later steps join it (one update per request
     # per message, however many steps the message covers).
     _open: dict[str, worker_pb2.SessionUpdate] = field(default_factory=dict)
+    # The same updates by slot, for requests that have one: their tokens in columns join them.
+    _open_slots: dict[int, worker_pb2.SessionUpdate] = field(default_factory=dict)
 
-    def send(self, req_id: str, response: worker_pb2.DecodeResponse) -> None:
+    def send(self, req_id: str, response: worker_pb2.DecodeResponse, slot: int = 0) -> None:
         update = self._open.get(req_id)
         if update is None:
-            self._open[req_id] = self.pending.updates.add(request_id=req_id, response=response)
+            update = self._open[req_id] = self.pending.updates.add(request_id=req_id, response=response)
+            if slot:
+                self._open_slots[slot] = update
         else:
             # Later responses carry tokens, logprobs, prompt tokens recomputed here (after a preemption) and the
             # finish; the first-message fields stay the first's.
@@ -68,6 +76,27 @@ class _Session:
         update.response.logprobs.extend(logprobs)
         self.ready.set()
 
+    def add_columns(self, slots: list[int], token_ids: list[int], logprobs: list[float]) -> None:
+        """Steady tokens of requests with slots (a `ColumnSink`, called on the event loop): into the message's
+        columns, or into the request's update when this message has one (the module's docstring says why)."""
+        columns = self.pending.tokens
+        open_slots = self._open_slots
+        if not open_slots:
+            columns.slots.extend(slots)
+            columns.token_ids.extend(token_ids)
+            columns.logprobs.extend(logprobs)
+        else:
+            for slot, token_id, logprob in zip(slots, token_ids, logprobs, strict=True):
+                update = open_slots.get(slot)
+                if update is None:
+                    columns.slots.append(slot)
+                    columns.token_ids.append(token_id)
+                    columns.logprobs.append(logprob)
+                else:
+                    update.response.token_ids.append(token_id)
+                    update.response.logprobs.append(logprob)
+        self.ready.set()
+
     def fail(self, req_id: str, code: grpc.StatusCode, message: str, error_type: str = "") -> None:
         self._open.pop(req_id, None)
         self.pending.updates.add(request_id=req_id, error_code=code.value[0], error_message=message,
@@ -76,10 +105,11 @@ class _Session:
 
     def take(self) -> worker_pb2.SessionResponse | None:
         """The message to send now (None if nothing is pending)."""
-        if not self.pending.updates:
+        if not self.pending.updates and not self.pending.tokens.slots:
             return None
         message, self.pending = self.pending, worker_pb2.SessionResponse()
         self._open = {}
+        self._open_slots = {}
         return message
 
 
@@ -154,11 +184,13 @@ class Sessions:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             async with asyncio.timeout(timeout):
+                slot = start.slot
                 responses = self.runner.run(start.request, deadline, start.trace_context.items(),
-                                            functools.partial(session.send_tokens, req_id))
+                                            functools.partial(session.send_tokens, req_id),
+                                            (session, slot) if slot else None)
                 async with contextlib.aclosing(responses):
                     async for response in responses:
-                        session.send(req_id, response)
+                        session.send(req_id, response, slot)
         except TimeoutError:
             session.fail(req_id, grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded for {req_id}",
                          "DeadlineExceededError")

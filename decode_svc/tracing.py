@@ -91,6 +91,14 @@ class DecodeTraces:
             request.decode_span.set_attribute("tandem.finish_reason", event.finish_reason)
             self._end_decode(request)
 
+    def add_steps(self, req_id: str, num_tokens: int, num_steps: int, sum_batch_size: int) -> None:
+        """Tokens and steps of the request that did not come as events (they went to its session's columns)."""
+        request = self._requests.get(req_id)
+        if request is not None:
+            request.num_tokens += num_tokens
+            request.num_steps += num_steps
+            request.sum_batch_size += sum_batch_size
+
     def finish(self, req_id: str) -> None:
         """The call is over (done, failed or cancelled): end what is still open and forget the request."""
         request = self._requests.pop(req_id, None)

@@ -12,12 +12,15 @@ are in flight while its worker has sent nothing, not even the heartbeat a live w
 `SESSION_HEARTBEAT_S`, for `stall_timeout_s` is ended here, as if the stream had broken: its requests resume on
 another worker.
 
-The session's channel reads with HTTP/2's fixed stream window (64 KiB) rather than one grown by BDP probing
-(`SessionChannels`). With a grown window (megabytes) a gateway that falls behind its decode workers lets their
-step messages pile up unread in its transport, and reads them one per event-loop turn: each request then still
-gets one token per wake-up, one client message per token, and the gateway stays behind. With the fixed window the
-decode worker's writer feels the lag within a few steps and merges the steps since its last message into one
+The session's channel reads with a small fixed stream window (`SESSION_WINDOW_BYTES`) rather than one grown by BDP
+probing (`SessionChannels`). With a grown window (megabytes) a gateway that falls behind its decode workers lets
+their step messages pile up unread in its transport, and reads them one per event-loop turn: each request then
+still gets one token per wake-up, one client message per token, and the gateway stays behind. With the fixed window
+the decode worker's writer feels the lag within a few steps and merges the steps since its last message into one
 (`decode_svc.sessions`), so the gateway's cost per token falls as its load rises.
+
+A request's steady tokens come in the messages' token columns (`TokenColumns`, under the slot the gateway gave the
+request at its start), read before the message's updates.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import TypeAlias
 
 import grpc
 
+from tandem.common.config import env_number
 from tandem.serving.auth import TokenChannel
 from tandem.serving.rpc import _KEEPALIVE_TIME_MS, _KEEPALIVE_TIMEOUT_MS, DEFAULT_MAX_MESSAGE_BYTES, TlsConfig
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -38,11 +42,21 @@ from tandem.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+# The session stream's receive window: a few steps of a busy worker. A step's tokens of 256 requests in columns take
+# ~1.9 kB (13 kB as one update each, when the window was HTTP/2's default 64 KiB: ~5 steps). Measured on the
+# gateway alone (2-core CPU VM, `stack_overhead --fake-decode-step-ms 1`, 256 × 256 tokens, two runs each): 57.1 /
+# 57.7 µs of CPU per token at 8 KiB against 65.2 / 72.0 at 64 KiB (columns let that window hold ~35 steps).
+SESSION_WINDOW_BYTES = 8192
+# `TANDEM_SESSION_COLUMNS=0`: no slots (every token in updates) and HTTP/2's default window, as before the columns (an
+# experiment's A/B switch, and a way back).
+SESSION_COLUMNS = env_number("TANDEM_SESSION_COLUMNS", 1, int) != 0
+
+
 def session_channel(address: str, tls: TlsConfig | None = None, internal_token: str | None = None,
                     ) -> grpc.aio.Channel:
     """A channel for `Decode.Session` calls: `tandem.serving.rpc.make_channel`'s (message limits, keepalive pings,
-    TLS, the internal token), but with BDP probing off, so that the stream's receive window stays at HTTP/2's
-    64 KiB and a decode worker merges its steps once this gateway lags (the module's docstring says why)."""
+    TLS, the internal token), but with BDP probing off and a small window, so that a decode worker merges its steps
+    once this gateway lags (the module's docstring says why)."""
     options = [
         ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
@@ -51,12 +65,18 @@ def session_channel(address: str, tls: TlsConfig | None = None, internal_token: 
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", SESSION_WINDOW_BYTES if SESSION_COLUMNS else 65535),
     ]
     if tls is not None:
         channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
     else:
         channel = grpc.aio.insecure_channel(address, options=options)
     return channel if internal_token is None else TokenChannel(channel, internal_token)
+
+
+# Slots are uint32 on the wire; 0 means none. After the last one the numbers start again (a request still in flight
+# four billion starts later would share its slot: not a session's lifetime at any rate served).
+_MAX_SLOT = 2**32 - 1
 
 
 class SessionChannels:
@@ -88,6 +108,16 @@ class SessionEnded:
     details: str
 
 
+class _Tokens:
+    """Steady tokens of a request that came in a message's columns (appended to while it is the last item)."""
+
+    __slots__ = ("token_ids", "logprobs")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+
+
 Update: TypeAlias = "worker_pb2.SessionUpdate | SessionEnded"
 
 
@@ -99,9 +129,10 @@ class RequestUpdates:
     the reader is woken only once N tokens have come, or the request's end or an error: one client message, and
     one wake-up of its task, per N tokens."""
 
-    def __init__(self, stream_interval: int = 1) -> None:
+    def __init__(self, stream_interval: int = 1, slot: int = 0) -> None:
         self.stream_interval = stream_interval
-        self._items: collections.deque[Update] = collections.deque()
+        self.slot = slot  # the request's number in its session's token columns (0: none)
+        self._items: collections.deque[Update | _Tokens] = collections.deque()
         self._num_tokens = 0  # tokens in _items
         self._num_ends = 0  # ends in _items (a finish, an error or the session's end)
         self._wanted = 1  # tokens that wake a waiting reader
@@ -114,6 +145,20 @@ class RequestUpdates:
             self._num_ends += 1
         else:
             self._num_tokens += len(update.response.token_ids)  # type: ignore[union-attr]
+        waiter = self._waiter
+        if waiter is not None and not waiter.done() and self._ready(self._wanted):
+            waiter.set_result(None)
+
+    def put_token(self, token_id: int, logprob: float) -> None:
+        """A token from the session's columns."""
+        items = self._items
+        tokens = items[-1] if items else None
+        if not isinstance(tokens, _Tokens):
+            tokens = _Tokens()
+            items.append(tokens)
+        tokens.token_ids.append(token_id)
+        tokens.logprobs.append(logprob)
+        self._num_tokens += 1
         waiter = self._waiter
         if waiter is not None and not waiter.done() and self._ready(self._wanted):
             waiter.set_result(None)
@@ -131,16 +176,23 @@ class RequestUpdates:
             finally:
                 self._waiter = None
         update = self._take()
+        if isinstance(update, _Tokens):
+            update = _as_update(update)
         if _is_last(update):
             return update
         assert isinstance(update, worker_pb2.SessionUpdate)
         merged: worker_pb2.SessionUpdate | None = None
-        while self._items and not isinstance(self._items[0], SessionEnded) and not self._items[0].error_code:
+        while self._items and not isinstance(self._items[0], SessionEnded) and (
+                isinstance(self._items[0], _Tokens) or not self._items[0].error_code):
             following = self._take()
-            assert isinstance(following, worker_pb2.SessionUpdate)
             if merged is None:
                 merged = worker_pb2.SessionUpdate()
                 merged.CopyFrom(update)  # keeps the first update's first-token fields
+            if isinstance(following, _Tokens):
+                merged.response.token_ids.extend(following.token_ids)
+                merged.response.logprobs.extend(following.logprobs)
+                continue
+            assert isinstance(following, worker_pb2.SessionUpdate)
             merged.response.token_ids.extend(following.response.token_ids)
             merged.response.logprobs.extend(following.response.logprobs)
             merged.response.finish_reason = following.response.finish_reason
@@ -149,13 +201,23 @@ class RequestUpdates:
         self._streamed = True
         return merged if merged is not None else update
 
-    def _take(self) -> Update:
+    def _take(self) -> Update | _Tokens:
         update = self._items.popleft()
-        if _is_last(update):
+        if isinstance(update, _Tokens):
+            self._num_tokens -= len(update.token_ids)
+        elif _is_last(update):
             self._num_ends -= 1
         else:
-            self._num_tokens -= len(update.response.token_ids)  # type: ignore[union-attr]
+            assert isinstance(update, worker_pb2.SessionUpdate)
+            self._num_tokens -= len(update.response.token_ids)
         return update
+
+
+def _as_update(tokens: _Tokens) -> worker_pb2.SessionUpdate:
+    update = worker_pb2.SessionUpdate()
+    update.response.token_ids.extend(tokens.token_ids)
+    update.response.logprobs.extend(tokens.logprobs)
+    return update
 
 
 def _is_last(update: Update) -> bool:
@@ -172,6 +234,9 @@ class DecodeSession:
         self.closed = False
         self._outbox: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
         self._requests: dict[str, RequestUpdates] = {}
+        # Requests by slot (their number in the messages' token columns), and the next slot to give.
+        self._slots: dict[int, RequestUpdates] = {}
+        self._next_slot = 1
         loop = asyncio.get_running_loop()
         # When the worker was last heard from, or the session last went from idle to busy: silence counts only
         # while requests are in flight (an idle worker sends no heartbeats).
@@ -189,15 +254,21 @@ class DecodeSession:
             raise RuntimeError(f"the session to {self.address} has ended")
         if not self._requests:
             self._last_heard = asyncio.get_running_loop().time()
-        updates = RequestUpdates(stream_interval)
+        slot = self._next_slot if SESSION_COLUMNS else 0
+        self._next_slot = slot + 1 if 0 < slot < _MAX_SLOT else 1
+        updates = RequestUpdates(stream_interval, slot)
         self._requests[request.request_id] = updates
+        if slot:
+            self._slots[slot] = updates
         self._outbox.put_nowait(worker_pb2.SessionRequest(start=worker_pb2.SessionStart(
-            request=request, timeout_s=timeout_s or 0.0, trace_context=dict(trace_context or {}))))
+            request=request, timeout_s=timeout_s or 0.0, trace_context=dict(trace_context or {}), slot=slot)))
         return updates
 
     def finish(self, request_id: str, cancel: bool) -> None:
         """Forget the request; with `cancel`, also stop it on the worker (which frees its blocks)."""
-        self._requests.pop(request_id, None)
+        updates = self._requests.pop(request_id, None)
+        if updates is not None and self._slots.get(updates.slot) is updates:
+            del self._slots[updates.slot]
         if cancel and not self.closed:
             self._outbox.put_nowait(worker_pb2.SessionRequest(cancel=worker_pb2.SessionCancel(request_id=request_id)))
 
@@ -219,6 +290,12 @@ class DecodeSession:
         try:
             async for response in self._call:
                 self._last_heard = loop.time()  # a heartbeat (no updates) counts as much as tokens
+                columns = response.tokens
+                if columns.slots:  # before the updates: the worker puts a request's later tokens in its update
+                    slots = self._slots
+                    for slot, token_id, logprob in zip(columns.slots, columns.token_ids, columns.logprobs, strict=True):
+                        if (updates := slots.get(slot)) is not None:  # else: cancelled by us, and forgotten
+                            updates.put_token(token_id, logprob)
                 for update in response.updates:
                     updates = self._requests.get(update.request_id)
                     if updates is not None:  # else: cancelled by us, and already forgotten
@@ -234,6 +311,7 @@ class DecodeSession:
             for updates in self._requests.values():
                 updates.put(ended)
             self._requests.clear()
+            self._slots.clear()
 
     async def _watch(self, stall_timeout_s: float) -> None:
         """End the session once the worker has been silent for `stall_timeout_s` with requests in flight."""

@@ -52,18 +52,20 @@ def weight_bytes_estimate(model: Any, quantization: str | None) -> int:
 
 
 def gpu_memory_shares(model: Any, total_bytes: int, num_prefill: int, num_decode: int, prefill_batched_tokens: int,
-                      kv_bytes_per_token: int, quantization: str | None = None) -> tuple[float, float]:
+                      kv_bytes_per_token: int, quantization: str | None = None,
+                      budget: float = GPU_MEMORY_FRACTION_SHARED) -> tuple[float, float]:
     """(each prefill worker's, each decode worker's) fraction of one GPU's memory when they share it. A prefill
     worker needs its weights, a pool of `PREFILL_POOL_STEPS` steps and a workspace; an even split left decode's pool
     too small for the requests at high load when two prefill workers shared an H200 with it (llama-3.1-8b: ~125
-    requests of 1,280 tokens, against 128 running), so the decode workers get the rest."""
-    equal = GPU_MEMORY_FRACTION_SHARED / max(1, num_prefill + num_decode)
+    requests of 1,280 tokens, against 128 running), so the decode workers get the rest of `budget` (the fraction of
+    the GPU all of them take together)."""
+    equal = budget / max(1, num_prefill + num_decode)
     if not num_prefill or not num_decode or total_bytes <= 0:
         return round(equal, 3), round(equal, 3)
     need = (weight_bytes_estimate(model, quantization) + PREFILL_POOL_STEPS * prefill_batched_tokens
             * kv_bytes_per_token + PREFILL_WORKSPACE_BYTES)
     prefill = min(equal, need / total_bytes)  # never more than an even share: decode never gets less than one
-    decode = (GPU_MEMORY_FRACTION_SHARED - num_prefill * prefill) / num_decode
+    decode = (budget - num_prefill * prefill) / num_decode
     return round(prefill, 3), round(decode, 3)
 
 
@@ -101,6 +103,9 @@ class StackOptions:
     startup_timeout_s: float = 600.0
     kv_transport: str = "auto"
     gpu_memory_fraction: float | None = None
+    # Without gpu_memory_fraction: the fraction of one GPU its workers share (`gpu_memory_shares`' budget); less
+    # leaves room for another process on the GPU (the offline engine `benchmarks/stack_overhead.py` runs beside it).
+    gpu_memory_budget: float = GPU_MEMORY_FRACTION_SHARED
     max_num_seqs: int = 256
     # The workers' SM caps under CUDA MPS (`tandem.mps.GpuSplit`). None: with `auto_mps`, MPS without partitioning
     # (100:100) when prefill and decode workers share a GPU and MPS is installed, else plain time-sharing.
@@ -205,7 +210,7 @@ class Stack:
             if o.gpu_memory_fraction:
                 shares = {"prefill": o.gpu_memory_fraction, "decode": o.gpu_memory_fraction}
             else:
-                shares = dict(zip(("prefill", "decode"), self._memory_shares(), strict=True))
+                shares = dict(zip(("prefill", "decode"), self.memory_shares(), strict=True))
         if o.num_kv_blocks:
             engine_flags += ["--num-kv-blocks", str(o.num_kv_blocks)]
         if o.max_model_len:
@@ -262,7 +267,7 @@ class Stack:
         self.services.insert(0, Service("gateway", f"{o.host}:{gateway_port}",
                                         f"http://{o.host}:{gateway_http_port}", gateway, log_dir / "gateway.log"))
 
-    def _memory_shares(self) -> tuple[float, float]:
+    def memory_shares(self) -> tuple[float, float]:
         """Each prefill and decode worker's fraction of the GPU (`gpu_memory_shares`); an even split when the model's
         shape or the GPU's memory cannot be read here."""
         from tandem.common.config import PREFILL_BATCHED_TOKENS_CUDA
@@ -272,13 +277,14 @@ class Stack:
         try:
             model = load_model_config(o.model, fetch=False)
         except Exception:  # the worker reports a bad model itself; the shares need only a shape
-            return gpu_memory_shares(None, 0, o.num_prefill, o.num_decode, 0, 0)
+            return gpu_memory_shares(None, 0, o.num_prefill, o.num_decode, 0, 0, budget=o.gpu_memory_budget)
         # `tandem.engine.kv_cache.bytes_per_block` of one token, without torch in this process: a GPU's pages are
         # fp8 or bf16.
         kv_per_token = (2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
                         * (1 if o.kv_cache_dtype == "fp8" else 2))
         return gpu_memory_shares(model, gpu_total_bytes(), o.num_prefill, o.num_decode,
-                                 o.max_num_batched_tokens or PREFILL_BATCHED_TOKENS_CUDA, kv_per_token, o.quantization)
+                                 o.max_num_batched_tokens or PREFILL_BATCHED_TOKENS_CUDA, kv_per_token, o.quantization,
+                                 budget=o.gpu_memory_budget)
 
     def child_env(self, role: str) -> dict[str, str]:
         """The environment a service of this stack runs in: ours, with the stack's internal token (planned)."""

@@ -50,6 +50,9 @@
 #   split5   split4's serve runs only (after the pools' fix), prefill workers at 60% and 70%, ~8 min
 #   gc       the collector settled after start-up vs Python's default (gateway alone, #15's 1B rows), and the
 #            random-prompt workload alone with the cache on/off in both orders (#17), ~7 min
+#   columns  #15: a step's steady tokens in columns on the session (engine thread → session message, no per-request
+#            event) vs per-request updates (TANDEM_SESSION_COLUMNS=0), interleaved: the gateway alone and the stack's
+#            1B and 8B rows, ~8 min
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
@@ -518,6 +521,25 @@ suite_gc() {
             --conversations 0 --shared-requests 0 --random-requests "$(n 128 4)" --concurrency "$(n 16 2)" \
             --max-tokens "$(n 64 4)" --modes "$modes" --out "$OUT/prefix-random-${modes/,/-}.json"
     done
+}
+
+# 2026-12-03 (fourth session, #15): session token columns on (1) / off (0), read by the gateway processes (off: no
+# slots, every token in updates, and the 64 KiB session window of before), interleaved.
+suite_columns() {
+    for v in 1 0; do
+        TANDEM_SESSION_COLUMNS=$v step "gateway-alone-col$v" 90 $PY -m tandem.benchmarks.stack_overhead \
+            --fake-decode-step-ms 1 --gateway-workers 1 --num-requests "$(n 256 8)" --output-len "fixed:$(n 256 8)" \
+            --repeat "$(n 3 1)" --out "$OUT/gateway-alone-w1-col$v.json"
+    done
+    for i in 1 2; do
+        for v in 1 0; do
+            TANDEM_SESSION_COLUMNS=$v stack_row "1b-1024-w4-col$v-$i" "$SMALL" 256 1024 4
+        done
+    done
+    for v in 1 0; do
+        TANDEM_SESSION_COLUMNS=$v stack_row "1b-128-w4-col$v" "$SMALL" 256 128 4
+    done
+    TANDEM_SESSION_COLUMNS=1 stack_row "8b-256-w4-col1" "$BIG" 1024 256 4
 }
 
 # 2026-12-02 (fifth session): pure decode steps launched one ahead of the host (async scheduling), A/B by

@@ -431,11 +431,11 @@ def _alive(pid: int) -> bool:
 def test_session_channels_are_make_channel_s_but_for_a_fixed_window(monkeypatch: pytest.MonkeyPatch) -> None:
     """`session_channel` copies `make_channel`'s options (keepalive, message limits) and turns BDP probing off: if
     `make_channel` changes, this says to change the sessions' channel with it."""
-    from tandem.gateway.sessions import session_channel
+    from tandem.gateway.sessions import SESSION_WINDOW_BYTES, session_channel
     from tandem.serving.rpc import make_channel
 
     made: list[list[tuple[str, Any]]] = []
     monkeypatch.setattr(grpc.aio, "insecure_channel", lambda address, options: made.append(list(options)))
     make_channel("127.0.0.1:1")
     session_channel("127.0.0.1:1")
-    assert made[1] == [*made[0], ("grpc.http2.bdp_probe", 0)]
+    assert made[1] == [*made[0], ("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", SESSION_WINDOW_BYTES)]

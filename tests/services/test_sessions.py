@@ -47,20 +47,22 @@ async def wait_all_blocks_free(worker: Worker) -> None:
 async def test_each_request_gets_its_tokens_in_order_and_one_end(workers: tuple[Worker, Worker], model_folder: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     prefill, decode = workers
-    sunk: dict[str, int] = {}  # tokens each request's steps handed straight to the session (no task hop)
-    send_tokens = _Session.send_tokens
+    sunk: dict[int, int] = {}  # by slot: tokens the engine thread handed straight to the session's columns
+    add_columns = _Session.add_columns
 
-    def spy(session: _Session, req_id: str, token_ids: list[int], logprobs: list[float]) -> None:
-        sunk[req_id] = sunk.get(req_id, 0) + len(token_ids)
-        send_tokens(session, req_id, token_ids, logprobs)
+    def spy(session: _Session, slots: list[int], token_ids: list[int], logprobs: list[float]) -> None:
+        for slot in slots:
+            sunk[slot] = sunk.get(slot, 0) + 1
+        add_columns(session, slots, token_ids, logprobs)
 
-    monkeypatch.setattr(_Session, "send_tokens", spy)
+    monkeypatch.setattr(_Session, "add_columns", spy)
     prompts = prompts_for(512, [3, 17, 29, 8, 40, 11])
     lengths = [12, 5, 9, 12, 3, 7]  # different lengths: requests end while others go on
     channel = make_channel(decode.address)
     session = DecodeSession(channel, decode.address)
     queues = [session.start(decode_request(f"s{i}", p, prefill.address, max_tokens=n), None)
               for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    slot_lengths = {q.slot: n for q, n in zip(queues, lengths, strict=True)}
     results = await asyncio.gather(*(collect(q) for q in queues))
     for i, (tokens, seen) in enumerate(results):
         assert tokens == reference_tokens(model_folder, [prompts[i]], max_tokens=lengths[i])[0]
@@ -68,9 +70,9 @@ async def test_each_request_gets_its_tokens_in_order_and_one_end(workers: tuple[
         assert [bool(u.response.finish_reason) for u in seen] == [False] * (len(seen) - 1) + [True]
         assert all(not isinstance(u, SessionEnded) and u.error_code == 0 for u in seen)
         session.finish(f"s{i}", cancel=False)
-    # The steps between a request's first response and its last went through its token sink.
+    # The steps between a request's first response and its last went to the session's columns.
     # (Its first and last tokens come as responses, so each sank fewer than it made.)
-    assert sum(sunk.values()) > 0 and all(n <= lengths[int(req_id[1:])] - 2 for req_id, n in sunk.items()), sunk
+    assert sum(sunk.values()) > 0 and all(n <= slot_lengths[slot] - 2 for slot, n in sunk.items()), sunk
     assert not session.closed  # the session outlives its requests, for the next ones
     tokens, _ = await collect(session.start(decode_request("later", prompts[0], prefill.address), None))
     assert tokens == results[0][0]

@@ -22,7 +22,7 @@ class TwoStepRunner:
         self.finish = asyncio.Event()
 
     async def run(self, request: worker_pb2.DecodeRequest, deadline: float | None, trace_carrier: Any,
-                  token_sink: Any = None) -> AsyncIterator[worker_pb2.DecodeResponse]:
+                  token_sink: Any = None, columns: Any = None) -> AsyncIterator[worker_pb2.DecodeResponse]:
         yield worker_pb2.DecodeResponse(token_ids=[7])
         await self.finish.wait()
         yield worker_pb2.DecodeResponse(token_ids=[8], finish_reason=generation_pb2.FINISH_REASON_LENGTH)
