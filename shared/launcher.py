@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -147,8 +148,39 @@ class Service:
                 "log": str(self.log_path)}
 
 
+# Where `free_port` looks: from here up to the kernel's ephemeral range.
+LOWEST_PORT = 10000
+_picked: set[int] = set()  # this process's picks: never handed out twice
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes outgoing connections' local ports from (Linux; elsewhere its default)."""
+    try:
+        low, high = (int(p) for p in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
 def free_port(host: str) -> int:
-    with socket.socket() as s:
+    """A port nothing uses now, for a service started later. Picked below the ephemeral range: a port the kernel
+    picks itself (bind to 0) comes from that range, which outgoing connections draw on too, and one of them (the
+    launcher's own health checks of the services started first, say) could take it before the service binds it (a
+    decode worker's metrics port was lost so on an H200 run of `stack_overhead`)."""
+    low, _ = ephemeral_ports()
+    rng = random.Random()
+    for _ in range(200) if low - LOWEST_PORT >= 1000 else ():
+        port = rng.randrange(LOWEST_PORT, low)
+        if port in _picked:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _picked.add(port)
+        return port
+    with socket.socket() as s:  # no room below the range (or all taken): the kernel's pick
         s.bind((host, 0))
         return int(s.getsockname()[1])
 

@@ -25,6 +25,8 @@ done
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux_2_27_x86_64 --platform any -d .whl $PINNED
+# py-spy for the suites that profile the services (`run.sh`'s profile_services); a native binary, any Python.
+$PY -m pip download -q --no-deps --only-binary=:all: -d .whl py-spy==0.4.3
 HOME_DIR=.whl/tandem-home/models/smollm2-135m
 mkdir -p "$HOME_DIR"
 SRC=$($PY -c "from tandem.models.fetch import model_dir; print(model_dir('smollm2-135m'))")

@@ -542,6 +542,48 @@ suite_columns() {
     TANDEM_SESSION_COLUMNS=1 stack_row "8b-256-w4-col1" "$BIG" 1024 256 4
 }
 
+# py-spy (carried by prepare.sh) on each service of the running stack for SECONDS (only busy samples: --idle off),
+# once they are up; raw stacks to $OUT/pyspy-ROLE-TAG.txt. A profiler that cannot attach says so in its log.
+profile_services() {  # TAG SECONDS
+    local tag=$1 secs=$2 role pid i
+    for i in $(seq 120); do pgrep -f "tandem[.]cli decode" > /dev/null && break; sleep 1; done
+    sleep 15  # the workers' start-up and the first runs
+    for role in prefill decode gateway; do
+        pid=$(pgrep -f "tandem[.]cli $role" | tail -1)  # the gateway: its last worker process
+        [ -n "$pid" ] && py-spy record -p "$pid" -d "$secs" -r 200 -f raw -o "$OUT/pyspy-$role-$tag.txt" \
+            > "$OUT/pyspy-$role-$tag.log" 2>&1 &
+    done
+    wait
+}
+
+# 2026-12-04 (#15): where the 1B rows' remaining time goes: the burst of 256 prompts of the 128-token row (services
+# profiled, then the same row with its spans into the logs and their phases), and the 1,024-token row three times.
+suite_burst() {
+    if [ "${DRY_RUN:-0}" != 1 ]; then profile_services 128 40 & fi
+    stack_row "1b-128-w4-prof" "$SMALL" 256 128 4 --repeat "$(n 6 1)"
+    wait
+    OTEL_TRACES_EXPORTER=console stack_row "1b-128-w4-spans" "$SMALL" 256 128 4
+    local logs
+    logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
+    step "phases-1b-128" 60 $PY -m tandem.benchmarks.span_phases "$logs" --out "$OUT/phases-1b-128.json"
+    stack_row "1b-1024-w4-r3" "$SMALL" 256 1024 4 --repeat "$(n 3 1)"
+}
+
+# 2026-12-04 (#15): a step's inputs through reused pinned arenas (HostStaging) against a pin_memory() per input, A/B by
+# TANDEM_HOST_STAGING (the offline engine and the stack's workers read it), interleaved; the equality tests first.
+suite_staging() {
+    step staging-gpu-tests 200 $PY -m pytest -q -x --confcutdir=tests/kernels -p no:cacheprovider \
+        tests/kernels/test_host_staging_gpu.py tests/kernels/test_async_scheduling_gpu.py
+    for i in 1 2; do
+        for v in 1 0; do
+            TANDEM_HOST_STAGING=$v stack_row "1b-1024-w4-stage$v-$i" "$SMALL" 256 1024 4
+        done
+    done
+    for v in 1 0; do
+        TANDEM_HOST_STAGING=$v stack_row "1b-128-w4-stage$v" "$SMALL" 256 128 4
+    done
+}
+
 # 2026-12-02 (fifth session): pure decode steps launched one ahead of the host (async scheduling), A/B by
 # TANDEM_ASYNC_SCHEDULING (both the offline engine and the stack's decode worker read it), interleaved.
 suite_async() {
@@ -760,5 +802,5 @@ for suite in "$@"; do
     "suite_$suite"
 done
 echo
-echo "step                rc   seconds"
-awk -F'\t' '{printf "%-20s%-5s%s\n", $1, $2, $3}' "$SUMMARY"
+printf "%-36s%-5s%s\n" step rc seconds
+awk -F'\t' '{printf "%-36s%-5s%s\n", $1, $2, $3}' "$SUMMARY"

@@ -10,6 +10,7 @@ import array
 import logging
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, fields
 
 import torch
@@ -24,6 +25,7 @@ from tandem.engine.rope import cos_sin_cache
 from tandem.engine.sampler import SamplingTensors, sample
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.spec_decode import pad_proposals, verify_proposals
+from tandem.engine.staging import HostStaging, staging_enabled
 from tandem.engine.weights import load_weights
 from tandem.kernels import Ops, get_ops, triton_available
 from tandem.kernels.cpu_linear import pack_linears
@@ -132,6 +134,8 @@ class ModelRunner:
         self.cos_sin = cos_sin_cache(model_config.rope, model_config.head_dim, self.max_model_len, self.device)
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
+        # A step's inputs go through reused pinned arenas (before the graphs: their capture runs steps).
+        self.staging = HostStaging() if self.device.type == "cuda" and staging_enabled() else None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
         # The references sync with the host (boolean indexing), which a capture forbids: graphs need Triton.
@@ -144,11 +148,21 @@ class ModelRunner:
                 self.mixed_graphs.capture()
 
     # -- one step ------------------------------------------------------------------------------
+    def step_inputs(self) -> AbstractContextManager[None]:
+        """Around one step: the host inputs it builds (`_host`) share a pinned arena, reused once their copies have
+        run (`HostStaging`)."""
+        return self.staging.step() if self.staging is not None else nullcontext()
+
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
                 ) -> tuple[list[list[int]], list[list[float]]]:
         """Run one step; return what each request that samples emitted (in order): its new token, or after a
         verify step the accepted proposals and the target's next token; with their logprobs."""
+        with self.step_inputs():
+            return self._execute(output, on_layer_done)
+
+    def _execute(self, output: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
+                 ) -> tuple[list[list[int]], list[list[float]]]:
         if output.is_pure_decode:
             sampling = output.requests
             logits = self.decode_logits(output.requests)
@@ -253,6 +267,11 @@ class ModelRunner:
     def launch_decode(self, requests: list[Request], after: LaunchedDecode | None = None,
                       rows: list[int] | None = None) -> LaunchedDecode:
         """Queue a pure decode step (see `decode_logits`) and its tokens' copy to the host, without waiting."""
+        with self.step_inputs():
+            return self._launch_decode(requests, after, rows)
+
+    def _launch_decode(self, requests: list[Request], after: LaunchedDecode | None,
+                       rows: list[int] | None) -> LaunchedDecode:
         logits = self.decode_logits(requests, after, rows)
         token_ids, logprobs = sample(logits, SamplingTensors.from_requests(requests, self.device,
                                                                            num_unapplied=int(after is not None)))
@@ -405,6 +424,9 @@ class ModelRunner:
         return self._to_device(flat, torch.int32).view(len(requests), max_blocks)
 
     def _host(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        code = _ARRAY_TYPECODES.get(dtype)
+        if self.staging is not None and code is not None and not (values and isinstance(values[0], list)):
+            return self.staging.tensor(array.array(code, values), dtype)
         return host_tensor(values, dtype, pin=self.device.type == "cuda")
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
