@@ -33,9 +33,20 @@ class _Streamer(generation_pb2_grpc.GenerationServicer):
             await asyncio.sleep(0)  # let the other streams interleave, as a gateway's do
 
 
-async def _serve(num_messages: int) -> None:
+class _Writer(_Streamer):
+    """The same messages through `context.write` instead of a generator (`--write`)."""
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,  # type: ignore[override]
+                       context: grpc.aio.ServicerContext) -> None:
+        for i in range(self.num_messages):
+            await context.write(generation_pb2.GenerateResponse(request_id=request.request_id, text=" tok",
+                                                                token_ids=[i]))
+            await asyncio.sleep(0)
+
+
+async def _serve(num_messages: int, write: bool) -> None:
     server = grpc.aio.server()
-    generation_pb2_grpc.add_GenerationServicer_to_server(_Streamer(num_messages), server)
+    generation_pb2_grpc.add_GenerationServicer_to_server((_Writer if write else _Streamer)(num_messages), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(port, flush=True)
@@ -62,13 +73,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--messages", type=int, default=64)
+    parser.add_argument("--write", action="store_true", help="the handler calls context.write instead of yielding")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server subprocess
     args = parser.parse_args()
     if args.serve:
-        asyncio.run(_serve(args.messages))
+        asyncio.run(_serve(args.messages, args.write))
         return
-    server = subprocess.Popen([sys.executable, "-m", "tandem.benchmarks.grpc_stream_cost", "--serve",
-                               "--messages", str(args.messages)], stdout=subprocess.PIPE, text=True)
+    command = [sys.executable, "-m", "tandem.benchmarks.grpc_stream_cost", "--serve", "--messages", str(args.messages)]
+    server = subprocess.Popen(command + (["--write"] if args.write else []), stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
         port = int(server.stdout.readline())
