@@ -168,9 +168,8 @@ def free_port(host: str) -> int:
     launcher's own health checks of the services started first, say) could take it before the service binds it (a
     decode worker's metrics port was lost so on an H200 run of `stack_overhead`)."""
     low, _ = ephemeral_ports()
-    rng = random.Random()
-    for _ in range(200) if low - LOWEST_PORT >= 1000 else ():
-        port = rng.randrange(LOWEST_PORT, low)
+    for _ in range(200 if low - LOWEST_PORT >= 1000 else 0):
+        port = random.randrange(LOWEST_PORT, low)
         if port in _picked:
             continue
         with socket.socket() as s:

@@ -41,11 +41,13 @@ assert all(array.array(code).itemsize == torch.tensor([], dtype=dtype).element_s
 log = logging.getLogger(__name__)
 
 
-def host_tensor(values: list, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+def host_tensor(values: list, dtype: torch.dtype, pin: bool, staging: HostStaging | None = None) -> torch.Tensor:
     """A host tensor of a list of numbers (nested lists take torch.tensor's slower path); `pin`: in pinned memory,
-    so that its copy to a GPU is asynchronous."""
+    so that its copy to a GPU is asynchronous; `staging`: that memory from the step's arena."""
     code = _ARRAY_TYPECODES.get(dtype)
     if code is not None and values and not isinstance(values[0], list):
+        if staging is not None:
+            return staging.tensor(array.array(code, values), dtype)
         tensor = torch.frombuffer(array.array(code, values), dtype=dtype)
     else:
         tensor = torch.tensor(values, dtype=dtype)
@@ -134,7 +136,7 @@ class ModelRunner:
         self.cos_sin = cos_sin_cache(model_config.rope, model_config.head_dim, self.max_model_len, self.device)
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
-        # A step's inputs go through reused pinned arenas (before the graphs: their capture runs steps).
+        # A step's inputs go through reused pinned arenas (`step_inputs`).
         self.staging = HostStaging() if self.device.type == "cuda" and staging_enabled() else None
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
@@ -424,10 +426,7 @@ class ModelRunner:
         return self._to_device(flat, torch.int32).view(len(requests), max_blocks)
 
     def _host(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        code = _ARRAY_TYPECODES.get(dtype)
-        if self.staging is not None and code is not None and not (values and isinstance(values[0], list)):
-            return self.staging.tensor(array.array(code, values), dtype)
-        return host_tensor(values, dtype, pin=self.device.type == "cuda")
+        return host_tensor(values, dtype, pin=self.device.type == "cuda", staging=self.staging)
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return self._host(values, dtype).to(self.device, non_blocking=True)
