@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import pickle
 import random
 import statistics
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,25 +129,117 @@ async def _one(stub: generation_pb2_grpc.GenerationStub, record: RequestRecord, 
         record.error = f"{error.code().name}: {error.details()}"
 
 
-async def run_rate(address: str, rate: float, num_requests: int, prompt_dist: LengthDist, output_dist: LengthDist,
-                   seed: int, timeout: float, num_channels: int = 4) -> dict[str, Any]:
-    rng = random.Random(seed)
+def schedule(rate: float, num_requests: int, prompt_dist: LengthDist, output_dist: LengthDist,
+             seed: int) -> list[tuple[float, list[int], int]]:
+    """(send offset in seconds, prompt, output length) of each request: Poisson arrivals at `rate`, all at 0 for
+    a burst (`inf`)."""
+    rng, offset, items = random.Random(seed), 0.0, []
+    for prompt, output_len in workload(num_requests, prompt_dist, output_dist, seed):
+        items.append((offset, prompt, output_len))
+        if math.isfinite(rate):
+            offset += rng.expovariate(rate)
+    return items
+
+
+def default_client_processes() -> int:
+    """Load-generator processes for a burst: one per 4 CPUs, between 1 and 4. One Python process receives a few
+    tens of thousands of streamed messages a second at most (grpc.aio's ~35 µs per message), below what a fast
+    model's stack sends."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+async def _send_all(address: str, items: list[tuple[float, list[int], int]], start: float | None, timeout: float,
+                    num_channels: int, ready: Callable[[], float] | None = None) -> tuple[list[RequestRecord], float]:
+    """Send each request at `start` + its offset over `num_channels` channels; (records, end time). With `ready`,
+    connect first and take the start time from it."""
     channels = [grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
                 for _ in range(num_channels)]
     stubs = [generation_pb2_grpc.GenerationStub(c) for c in channels]
+    if ready is not None:
+        await asyncio.gather(*(c.channel_ready() for c in channels))
+        start = ready()
+    assert start is not None
     records, tasks = [], []
-    start = time.perf_counter()
-    for i, (prompt, output_len) in enumerate(workload(num_requests, prompt_dist, output_dist, seed)):
+    for i, (offset, prompt, output_len) in enumerate(items):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
         record = RequestRecord(len(prompt), output_len)
         records.append(record)
         tasks.append(asyncio.create_task(_one(stubs[i % num_channels], record, prompt, timeout)))
-        if math.isfinite(rate):
-            await asyncio.sleep(rng.expovariate(rate))
     await asyncio.gather(*tasks)
-    duration = time.perf_counter() - start
+    end = time.perf_counter()
     for channel in channels:
         await channel.close()
-    return summarize(records, rate, duration)
+    return records, end
+
+
+def client_process_main() -> None:
+    """A load-generator process (`_run_processes`): its share of the requests from stdin, "ready" once connected,
+    the common start time from stdin, its records to stdout."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    address, items, timeout, num_channels = pickle.loads(stdin.read(int.from_bytes(stdin.read(8), "little")))
+
+    def ready() -> float:
+        stdout.write(b"ready\n")
+        stdout.flush()
+        return float(stdin.readline())
+
+    cpu = time.process_time()
+    records, end = asyncio.run(_send_all(address, items, None, timeout, num_channels, ready))
+    stdout.write(pickle.dumps(([asdict(r) for r in records], end, time.process_time() - cpu)))
+    stdout.flush()
+
+
+async def _run_processes(address: str, items: list[tuple[float, list[int], int]], timeout: float, num_channels: int,
+                         processes: int) -> tuple[list[RequestRecord], float, float, float]:
+    """The requests dealt round-robin to `processes` load-generator processes that start together (perf_counter is
+    the system's monotonic clock, so their times compare); (records in order, start, end, their CPU seconds)."""
+    children = [await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "from tandem.benchmarks.serve import client_process_main; client_process_main()",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE) for _ in range(processes)]
+    try:
+        for p, child in enumerate(children):
+            assert child.stdin is not None
+            payload = pickle.dumps((address, items[p::processes], timeout, num_channels))
+            child.stdin.write(len(payload).to_bytes(8, "little") + payload)
+            await child.stdin.drain()
+        for child in children:
+            assert child.stdout is not None
+            if await child.stdout.readline() != b"ready\n":
+                raise RuntimeError("a load-generator process exited before it connected (its error is above)")
+        start = time.perf_counter() + 0.01
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write(f"{start!r}\n".encode())
+            await child.stdin.drain()
+        parts = [pickle.loads((await child.communicate())[0]) for child in children]
+    finally:
+        for child in children:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+    records = [RequestRecord(**parts[i % processes][0][i // processes]) for i in range(len(items))]
+    return records, start, max(part[1] for part in parts), sum(part[2] for part in parts)
+
+
+async def run_rate(address: str, rate: float, num_requests: int, prompt_dist: LengthDist, output_dist: LengthDist,
+                   seed: int, timeout: float, num_channels: int = 4, processes: int = 1) -> dict[str, Any]:
+    """One rate's requests; with `processes` > 1 the requests are dealt round-robin to that many load-generator
+    processes that start together (perf_counter is the system's monotonic clock: their times compare). The
+    result's `client_cpu_s` is the load generator's CPU time (with one process: all of this process's)."""
+    items = schedule(rate, num_requests, prompt_dist, output_dist, seed)
+    cpu = time.process_time()
+    if processes <= 1:
+        start = time.perf_counter()
+        records, end = await _send_all(address, items, start, timeout, num_channels)
+        client_cpu = time.process_time() - cpu
+    else:
+        records, start, end, client_cpu = await _run_processes(address, items, timeout, num_channels, processes)
+    result = summarize(records, rate, end - start)
+    result["client_processes"] = max(1, processes)
+    result["client_cpu_s"] = client_cpu
+    return result
 
 
 def summarize(records: list[RequestRecord], rate: float, duration: float) -> dict[str, Any]:
@@ -208,7 +303,7 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def run(address: str, rates: list[float], num_requests: int, prompt_len: str, output_len: str,
         ttft_slo: float, tpot_slo: float, seed: int, timeout: float, out: Path | None, plot_path: Path | None,
-        label: str = "") -> list[dict[str, Any]]:
+        label: str = "", client_processes: int = 1) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
     prompt_dist, output_dist = LengthDist.parse(prompt_len), LengthDist.parse(output_len)
@@ -217,7 +312,8 @@ def run(address: str, rates: list[float], num_requests: int, prompt_len: str, ou
         # Each rate its own prompts: with one seed for all, every rate after the first found its prompts in the
         # stack's prefix cache and measured decode alone.
         rate_seed = seed + RATE_SEED_STRIDE * index
-        result = asyncio.run(run_rate(address, rate, num_requests, prompt_dist, output_dist, rate_seed, timeout))
+        result = asyncio.run(run_rate(address, rate, num_requests, prompt_dist, output_dist, rate_seed, timeout,
+                                      processes=client_processes))
         result["seed"] = rate_seed
         add_goodput(result, ttft_slo, tpot_slo)
         results.append(result)

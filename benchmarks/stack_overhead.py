@@ -44,7 +44,7 @@ import torch
 
 import tandem
 from tandem import LLM, SamplingParams
-from tandem.benchmarks.serve import LengthDist, run_rate, workload
+from tandem.benchmarks.serve import LengthDist, default_client_processes, run_rate, workload
 from tandem.common.debug import dump_stacks_on_sigusr1
 from tandem.gateway.workers import default_num_workers
 from tandem.launcher import Stack, StackOptions, free_port, is_serving
@@ -108,6 +108,12 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def client_load(result: dict[str, Any]) -> str:
+    """The load generator's CPU over a run, in cores (near 1 per process: it, not the stack, set the pace)."""
+    return (f"load generator: {result['client_processes']} process(es), "
+            f"{result['client_cpu_s'] / result['duration_s']:.2f} cores")
+
+
 def run_stack(stack: Stack, address: str, args: argparse.Namespace) -> dict[str, Any]:
     """One burst through the stack; with each service's CPU microseconds per output token (its event-loop
     threads, and its processes: all of a gateway's), which say which service would fall behind a faster engine
@@ -115,7 +121,8 @@ def run_stack(stack: Stack, address: str, args: argparse.Namespace) -> dict[str,
     trees = {s.role: process_tree(s.process.pid) for s in stack.services if s.process is not None}
     before = {role: {pid: cpu_seconds(pid) for pid in pids} for role, pids in trees.items()}
     result = asyncio.run(run_rate(address, float("inf"), args.num_requests, LengthDist.parse(args.prompt_len),
-                                  LengthDist.parse(args.output_len), args.seed, timeout=args.timeout))
+                                  LengthDist.parse(args.output_len), args.seed, timeout=args.timeout,
+                                  processes=args.client_processes))
     after = {role: {pid: cpu_seconds(pid) for pid in pids} for role, pids in trees.items()}
     result.pop("records")
     if result["errors"]:
@@ -239,7 +246,7 @@ async def run_gateway_only(args: argparse.Namespace, gateway_workers: int) -> li
             pids = process_tree(process.pid)
             before = {pid: cpu_seconds(pid) for pid in pids}
             result = await run_rate(address, float("inf"), args.num_requests, prompts, outputs, args.seed,
-                                    timeout=args.timeout)
+                                    timeout=args.timeout, processes=args.client_processes)
             after = {pid: cpu_seconds(pid) for pid in pids}
             result.pop("records")
             if result["errors"]:
@@ -252,8 +259,8 @@ async def run_gateway_only(args: argparse.Namespace, gateway_workers: int) -> li
             result["num_processes"] = {"gateway": len(pids)}
             runs.append(result)
             print(f"run {i + 1}/{args.repeat}: gateway {result['output_tok_per_s']:,.0f} tok/s, "
-                  f"{result['cpu_us_per_output_token']['gateway']['process']:.1f} µs CPU per output token",
-                  flush=True)
+                  f"{result['cpu_us_per_output_token']['gateway']['process']:.1f} µs CPU per output token "
+                  f"({client_load(result)})", flush=True)
     finally:
         process.terminate()
         await asyncio.to_thread(process.wait)
@@ -278,6 +285,10 @@ def main() -> None:
                              f"CPUs between 1 and 4 (here: {default_num_workers()})")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the gateway's --stream-interval (tokens per client message after the first)")
+    parser.add_argument("--client-processes", type=int, default=default_client_processes(),
+                        help="load-generator processes the burst's requests are dealt to (one Python process receives "
+                             "a few tens of thousands of messages a second at most); default one per 4 CPUs between "
+                             f"1 and 4 (here: {default_client_processes()})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--repeat", type=int, default=1, help="interleaved runs of each; medians reported")
@@ -321,7 +332,8 @@ def main() -> None:
             engine_runs.append(run_engine(llm, requests))
             stack_runs.append(run_stack(stack, f"127.0.0.1:{port}", args))
             print(f"run {i + 1}/{args.repeat}: engine {engine_runs[-1]['output_tok_per_s']:,.0f} tok/s, "
-                  f"stack {stack_runs[-1]['output_tok_per_s']:,.0f} tok/s", flush=True)
+                  f"stack {stack_runs[-1]['output_tok_per_s']:,.0f} tok/s ({client_load(stack_runs[-1])})",
+                  flush=True)
     finally:
         stack.stop()
     engine_tps = statistics.median(r["output_tok_per_s"] for r in engine_runs)

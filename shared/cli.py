@@ -492,12 +492,16 @@ def bench_serve(
     out: Annotated[Path | None, typer.Option(help="JSON results.")] = None,
     plot: Annotated[Path | None, typer.Option(help="PNG of latency against load.")] = None,
     label: str = "",
+    client_processes: Annotated[int, typer.Option(
+        min=1, help="Load-generator processes the requests are dealt to (one Python process receives a few tens "
+                    "of thousands of streamed messages a second at most).")] = 1,
 ) -> None:
     """Poisson load at each rate; TTFT/TPOT/ITL/e2e percentiles, throughput and goodput."""
     from tandem.benchmarks.serve import run
 
     rate_list = [float(r) for r in rates.split(",")]
-    run(address, rate_list, num_requests, prompt_len, output_len, ttft_slo, tpot_slo, seed, timeout, out, plot, label)
+    run(address, rate_list, num_requests, prompt_len, output_len, ttft_slo, tpot_slo, seed, timeout, out, plot, label,
+        client_processes=client_processes)
 
 
 def main() -> None:

@@ -50,6 +50,8 @@
 #   split5   split4's serve runs only (after the pools' fix), prefill workers at 60% and 70%, ~8 min
 #   gc       the collector settled after start-up vs Python's default (gateway alone, #15's 1B rows), and the
 #            random-prompt workload alone with the cache on/off in both orders (#17), ~7 min
+#   client   #15: the stack's rows and the gateway alone with the burst dealt to 4 vs 1 load-generator processes, ~7 min
+#   profile1024  #15: py-spy on the services during the 1B 1,024-token row; the 128-token row's spans, ~3 min
 #   columns  #15: a step's steady tokens in columns on the session (engine thread → session message, no per-request
 #            event) vs per-request updates (TANDEM_SESSION_COLUMNS=0), interleaved: the gateway alone and the stack's
 #            1B and 8B rows, ~8 min
@@ -582,6 +584,38 @@ suite_staging() {
     for v in 1 0; do
         TANDEM_HOST_STAGING=$v stack_row "1b-128-w4-stage$v" "$SMALL" 256 128 4
     done
+}
+
+# 2026-12-04, second session (#15): is one load-generator process what caps the stack? (At ~60k tok/s and ~0.5
+# messages per token it receives ~30k messages a second, ~1 core of grpc.aio.) The 1B rows with the burst dealt to 4
+# or 1 client processes, interleaved; the gateway alone with 4 and 1; the 8B row with 4.
+suite_client() {
+    for i in 1 2; do
+        for c in 4 1; do
+            stack_row "1b-1024-w4-c$c-$i" "$SMALL" 256 1024 4 --client-processes $c
+        done
+    done
+    for c in 4 1; do
+        stack_row "1b-128-w4-c$c" "$SMALL" 256 128 4 --client-processes $c
+    done
+    for c in 4 1; do
+        step "gateway-alone-c$c" 90 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 \
+            --gateway-workers 1 --num-requests "$(n 256 8)" --output-len "fixed:$(n 256 8)" --repeat "$(n 3 1)" \
+            --client-processes $c --out "$OUT/gateway-alone-w1-c$c.json"
+    done
+    stack_row "8b-256-w4-c4" "$BIG" 1024 256 4 --client-processes 4
+}
+
+# 2026-12-04, second session (#15): with the load spread over 4 client processes, where the decode worker's steady state
+# goes (py-spy on each service during the 1B 1,024-token row), and the 128-token row's burst in spans.
+suite_profile1024() {
+    if [ "${DRY_RUN:-0}" != 1 ]; then profile_services 1024 40 & fi
+    stack_row "1b-1024-w4-prof" "$SMALL" 256 1024 4 --repeat "$(n 3 1)"
+    wait
+    OTEL_TRACES_EXPORTER=console stack_row "1b-128-w4-spans" "$SMALL" 256 128 4
+    local logs
+    logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
+    step "phases-1b-128" 60 $PY -m tandem.benchmarks.span_phases "$logs" --out "$OUT/phases-1b-128.json"
 }
 
 # 2026-12-02 (fifth session): pure decode steps launched one ahead of the host (async scheduling), A/B by
