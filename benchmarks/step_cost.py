@@ -59,7 +59,8 @@ def main() -> None:
     started = time.perf_counter()
     llm = LLM(args.model, device=args.device, max_num_seqs=max(max_d, 1) + 1,
               max_num_batched_tokens=max(max_p + max_d, args.context * max(max_d, 1), 16),
-              max_model_len=max_model_len, prompt_tokens_while_decoding=0)  # the shapes as asked
+              max_model_len=max_model_len, prompt_tokens_while_decoding=0,  # the shapes as asked
+              async_scheduling=False)  # one step at a time: its parts and its GPU time are its own
     engine = llm.engine
     runner = engine.runner
     engine.warm_up()

@@ -51,6 +51,11 @@
 #   gc       the collector settled after start-up vs Python's default (gateway alone, #15's 1B rows), and the
 #            random-prompt workload alone with the cache on/off in both orders (#17), ~7 min
 #   client   #15: the stack's rows and the gateway alone with the burst dealt to 4 vs 1 load-generator processes, ~7 min
+#   last15   #15: the 1B rows twice and the gateway alone on the session's last code, ~4 min
+#   info     #15: after the cache summary's memo: decode step host parts, the 1B rows with decode's switch interval at
+#            5 and 0.5 ms, ~6 min
+#   rows     #15: after block tables from rows kept on the requests: GPU tests, decode step host parts, the 1B rows,
+#            py-spy with native frames on decode, ~6 min
 #   profile1024  #15: py-spy on the services during the 1B 1,024-token row; the 128-token row's spans, ~3 min
 #   columns  #15: a step's steady tokens in columns on the session (engine thread → session message, no per-request
 #            event) vs per-request updates (TANDEM_SESSION_COLUMNS=0), interleaved: the gateway alone and the stack's
@@ -552,7 +557,8 @@ profile_services() {  # TAG SECONDS
     sleep 15  # the workers' start-up and the first runs
     for role in prefill decode gateway; do
         pid=$(pgrep -f "tandem[.]cli $role" | tail -1)  # the gateway: its last worker process
-        [ -n "$pid" ] && py-spy record -p "$pid" -d "$secs" -r 200 -f raw -o "$OUT/pyspy-$role-$tag.txt" \
+        [ -n "$pid" ] && py-spy record -p "$pid" -d "$secs" -r 200 -f raw ${PYSPY_NATIVE:+--native} \
+            -o "$OUT/pyspy-$role-$tag.txt" \
             > "$OUT/pyspy-$role-$tag.log" 2>&1 &
     done
     wait
@@ -616,6 +622,53 @@ suite_profile1024() {
     local logs
     logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
     step "phases-1b-128" 60 $PY -m tandem.benchmarks.span_phases "$logs" --out "$OUT/phases-1b-128.json"
+}
+
+# 2026-12-04, second session (#15): after block tables joined from rows kept on the requests (and the arenas written
+# through a memoryview): the GPU tests of the step inputs, the decode step's host parts (step_cost, as 12-02d's
+# decode-cost-1b), the 1B rows as in `client` (4 client processes), then py-spy with native frames on the decode
+# worker during one more 1,024-token row.
+suite_rows() {
+    step rows-gpu-tests 200 $PY -m pytest -q -x --confcutdir=tests/kernels -p no:cacheprovider \
+        tests/kernels/test_host_staging_gpu.py tests/kernels/test_async_scheduling_gpu.py
+    step decode-cost-1b 150 $PY -m tandem.benchmarks.step_cost --model "$SMALL" --device "$DEVICE" \
+        --prompt-tokens 0 --decodes "$(n 64,128,256 2,4)" --context "$(n 768 32)" --repeat "$(n 10 1)" \
+        --out "$OUT/decode-cost-1b.json"
+    for i in 1 2; do
+        stack_row "1b-1024-w4-rows-$i" "$SMALL" 256 1024 4
+    done
+    stack_row "1b-128-w4-rows" "$SMALL" 256 128 4
+    if [ "${DRY_RUN:-0}" != 1 ]; then PYSPY_NATIVE=1 profile_services native 30 & fi
+    stack_row "1b-1024-w4-native" "$SMALL" 256 1024 4 --repeat "$(n 3 1)"
+    wait
+}
+
+# 2026-12-04, second session (#15): after the workers' cache summary is taken at most every 0.25 s (four gateways'
+# probes took 14% of decode's event loop) and gpu_uuid is remembered: the decode step's host parts (step_cost, now with
+# async scheduling off), the 1B rows, and decode's GIL switch interval at 0.5 ms (the native profile of `rows` found
+# the engine thread waiting to take the GIL back in 29% of its samples).
+suite_info() {
+    step decode-cost-1b 150 $PY -m tandem.benchmarks.step_cost --model "$SMALL" --device "$DEVICE" \
+        --prompt-tokens 0 --decodes "$(n 64,128,256 2,4)" --context "$(n 768 32)" --repeat "$(n 10 1)" \
+        --out "$OUT/decode-cost-1b.json"
+    for i in 1 2; do
+        stack_row "1b-1024-w4-info-$i" "$SMALL" 256 1024 4
+        TANDEM_DECODE_SWITCH_INTERVAL_S=0.0005 stack_row "1b-1024-w4-info-si05-$i" "$SMALL" 256 1024 4
+    done
+    stack_row "1b-128-w4-info" "$SMALL" 256 128 4
+    TANDEM_DECODE_SWITCH_INTERVAL_S=0.0005 stack_row "1b-128-w4-info-si05" "$SMALL" 256 128 4
+}
+
+# 2026-12-04, second session (#15): the 1B rows and the gateway alone once more on the session's last code (the
+# leases of `rows` and `info` ran the host ~1.5-3x slower than `client`'s).
+suite_last15() {
+    for i in 1 2; do
+        stack_row "1b-1024-w4-last-$i" "$SMALL" 256 1024 4
+        stack_row "1b-128-w4-last-$i" "$SMALL" 256 128 4
+    done
+    step "gateway-alone-last" 90 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 \
+        --gateway-workers 1 --num-requests "$(n 256 8)" --output-len "fixed:$(n 256 8)" --repeat "$(n 3 1)" \
+        --out "$OUT/gateway-alone-w1-last.json"
 }
 
 # 2026-12-02 (fifth session): pure decode steps launched one ahead of the host (async scheduling), A/B by

@@ -41,17 +41,44 @@ assert all(array.array(code).itemsize == torch.tensor([], dtype=dtype).element_s
 log = logging.getLogger(__name__)
 
 
-def host_tensor(values: list, dtype: torch.dtype, pin: bool, staging: HostStaging | None = None) -> torch.Tensor:
-    """A host tensor of a list of numbers (nested lists take torch.tensor's slower path); `pin`: in pinned memory,
-    so that its copy to a GPU is asynchronous; `staging`: that memory from the step's arena."""
+def host_tensor(values: list | array.array, dtype: torch.dtype, pin: bool,
+                staging: HostStaging | None = None) -> torch.Tensor:
+    """A host tensor of a list of numbers (nested lists take torch.tensor's slower path) or of an array of `dtype`'s
+    typecode; `pin`: in pinned memory, so that its copy to a GPU is asynchronous; `staging`: that memory from the
+    step's arena."""
     code = _ARRAY_TYPECODES.get(dtype)
-    if code is not None and values and not isinstance(values[0], list):
+    if isinstance(values, array.array) or (code is not None and values and not isinstance(values[0], list)):
+        if not isinstance(values, array.array):
+            assert code is not None
+            values = array.array(code, values)
+        elif values.typecode != code:
+            raise TypeError(f"an array of typecode {values.typecode!r} for a {dtype} tensor")
         if staging is not None:
-            return staging.tensor(array.array(code, values), dtype)
-        tensor = torch.frombuffer(array.array(code, values), dtype=dtype)
+            return staging.tensor(values, dtype)
+        tensor = torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
     else:
         tensor = torch.tensor(values, dtype=dtype)
     return tensor.pin_memory() if pin else tensor
+
+def table_row(request: Request) -> bytes:
+    """`request.block_ids` as int32 bytes, a row of a block table. Kept on the request and extended as the list
+    grows, so that a step joins rows instead of converting every id of every request (a decode step at a batch of
+    256 with 1,024-token contexts: 16,384 ids). A list replaced (preemption, a prefix hit, a trim) is encoded anew:
+    `block_ids` is never edited in place other than by growing."""
+    ids = request.block_ids
+    cached = request.table_row
+    if cached is not None and cached[0] is ids:
+        known = cached[1]
+        if len(ids) == known:
+            return cached[2]
+        if len(ids) > known:
+            row = cached[2] + array.array("i", ids[known:]).tobytes()
+            request.table_row = (ids, len(ids), row)
+            return row
+    row = array.array("i", ids).tobytes()
+    request.table_row = (ids, len(ids), row)
+    return row
+
 
 @dataclass
 class DecodeInputs:
@@ -293,9 +320,9 @@ class ModelRunner:
         step not applied yet): it computes that token's position, and its input id is filled in on the device."""
         bs = self.block_size
         max_blocks = max(len(r.block_ids) for r in requests)
-        padding = [0] * max_blocks
+        padding = bytes(4 * max_blocks)
         input_ids, positions, slots, context_lens = [], [], [], []
-        block_tables: list[int] = []  # [S * max_blocks], flat: one list to convert, not one per request
+        rows: list[bytes] = []  # the block table [S, max_blocks] as int32 bytes: each row joined, then padded
         ahead = int(lookahead)
         for request in requests:
             block_ids = request.block_ids
@@ -305,8 +332,11 @@ class ModelRunner:
             positions.append(position)
             slots.append(block_ids[position // bs] * bs + position % bs)  # `_slots` of one position
             context_lens.append(num_tokens)
-            block_tables += block_ids
-            block_tables += padding[len(block_ids):]
+            row = table_row(request)
+            rows.append(row)
+            rows.append(padding[len(row):])
+        block_tables = array.array("i")
+        block_tables.frombytes(b"".join(rows))
         return DecodeInputs(
             input_ids=self._host(input_ids, torch.int64),
             positions=self._host(positions, torch.int64),
@@ -418,15 +448,18 @@ class ModelRunner:
 
     def _block_tables(self, requests: list[Request]) -> torch.Tensor:
         max_blocks = max(len(r.block_ids) for r in requests)
-        padding = [0] * max_blocks
-        flat: list[int] = []  # one flat list converts in one pass (see `host_tensor`)
+        padding = bytes(4 * max_blocks)
+        rows: list[bytes] = []
         for request in requests:
-            flat += request.block_ids
-            flat += padding[len(request.block_ids):]
+            row = table_row(request)
+            rows.append(row)
+            rows.append(padding[len(row):])
+        flat = array.array("i")
+        flat.frombytes(b"".join(rows))
         return self._to_device(flat, torch.int32).view(len(requests), max_blocks)
 
-    def _host(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+    def _host(self, values: list | array.array, dtype: torch.dtype) -> torch.Tensor:
         return host_tensor(values, dtype, pin=self.device.type == "cuda", staging=self.staging)
 
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+    def _to_device(self, values: list | array.array, dtype: torch.dtype) -> torch.Tensor:
         return self._host(values, dtype).to(self.device, non_blocking=True)

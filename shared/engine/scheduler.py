@@ -563,7 +563,7 @@ class Scheduler:
         keep = num_blocks_for(request.num_tokens, self.block_size)
         if len(request.block_ids) > keep:
             self.block_pool.free(request.block_ids[keep:])
-            del request.block_ids[keep:]
+            request.block_ids = request.block_ids[:keep]  # a new list (see Request.block_ids)
 
     def append_token(self, request: Request, token_id: int, logprob: float) -> bool:
         """Append one emitted token; True if it ended the request."""

@@ -35,7 +35,11 @@ class HostStaging:
 
     def __init__(self, arena_bytes: int = ARENA_BYTES, num_arenas: int = NUM_ARENAS) -> None:
         self.arenas = [torch.empty(arena_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(num_arenas)]
-        self._addresses = [a.data_ptr() for a in self.arenas]
+        # Each arena's bytes as a memoryview: its slice assignment copies without leaving the GIL (ctypes.memmove,
+        # a foreign call, drops it and takes it back) and costs half as much (1.6 against 3.2 µs for 2 KiB beside a
+        # busy thread on the 2-core CPU VM).
+        self._views = [memoryview((ctypes.c_char * arena_bytes).from_address(a.data_ptr())).cast("B")
+                       for a in self.arenas]
         self._events: list[torch.cuda.Event | None] = [None] * num_arenas
         self._index = -1
         self._offset: int | None = None  # None: not in a step
@@ -69,7 +73,7 @@ class HostStaging:
                 self.num_fallbacks += 1
             return torch.frombuffer(values, dtype=dtype).pin_memory() if nbytes else torch.empty(0, dtype=dtype)
         if nbytes:
-            ctypes.memmove(self._addresses[self._index] + offset, values.buffer_info()[0], nbytes)
+            self._views[self._index][offset:offset + nbytes] = memoryview(values).cast("B")
         self._offset = offset + -(-nbytes // _ALIGN) * _ALIGN
         return self.arenas[self._index][offset:offset + nbytes].view(dtype)
 

@@ -8,6 +8,7 @@ fail it); otherwise, or after such a failure, `grpc` (pages as bytes in the stre
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import uuid
@@ -24,8 +25,10 @@ log = logging.getLogger(__name__)
 GRPC, CUDA_IPC = "grpc", "cuda-ipc"
 
 
+@functools.cache
 def gpu_uuid(device: torch.device) -> str:
-    """The GPU's UUID ("" on the CPU): the same physical device has the same UUID in every process."""
+    """The GPU's UUID ("" on the CPU): the same physical device has the same UUID in every process. (Remembered:
+    every `Info` answer names it.)"""
     if device.type != "cuda":
         return ""
     return str(torch.cuda.get_device_properties(device).uuid)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+import weakref
 
 from tandem.common.config import EngineConfig
 from tandem.engine.compile_watch import CompileWatch
@@ -15,7 +16,7 @@ from tandem.engine.spec_decode import SpeculativeConfig
 from tandem.serving import metrics
 from tandem.serving.async_engine import AsyncEngine
 from tandem.serving.kv_ipc import gpu_uuid, transports_of
-from tandem.serving.registry import MAX_SUMMARY_BLOCKS, CacheSummary, WorkerRecord
+from tandem.serving.registry import CACHE_VIEW_INTERVAL_S, MAX_SUMMARY_BLOCKS, CacheSummary, WorkerRecord
 from tandem.serving.wire import layout_to_proto
 from tandem.v1 import worker_pb2
 
@@ -41,8 +42,17 @@ def new_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
 
 
-def cache_summary(engine: Engine) -> CacheSummary | None:
-    """What the engine's prefix cache holds, for routers (None when the cache is off).
+# A worker takes its cache summary at most this often, however many gateways ask: four gateway processes probing
+# every CACHE_VIEW_INTERVAL_S asked a decode worker 16 times a second, each time copying the pool's structures on the
+# event loop (~100,000 blocks of llama-3.2-1b on an H200): 14% of that loop's samples at 56k tokens/s (py-spy,
+# benchmarks/results/h200-2026-12-04b/3-rows), the GIL held throughout.
+SUMMARY_MAX_AGE_S = CACHE_VIEW_INTERVAL_S
+_summaries: weakref.WeakKeyDictionary[Engine, CacheSummary] = weakref.WeakKeyDictionary()
+
+
+def cache_summary(engine: Engine, max_age_s: float = SUMMARY_MAX_AGE_S) -> CacheSummary | None:
+    """What the engine's prefix cache holds, for routers (None when the cache is off); the last one taken if it is
+    younger than `max_age_s` (its `taken_at` says when it was taken).
 
     Taken on the calling thread (the event loop), not the engine thread: `BlockPool.cached_hash_prefixes` is safe
     to call from there (it copies what it reads in single C-level calls) and takes ~1.5 ms for 65,536 blocks on the
@@ -52,10 +62,16 @@ def cache_summary(engine: Engine) -> CacheSummary | None:
     hash_key = engine.scheduler.prefix_key
     if hash_key is None:
         return None
+    now = time.time()
+    summary = _summaries.get(engine)
+    if summary is not None and 0.0 <= now - summary.taken_at < max_age_s:
+        return summary
     pool = engine.block_pool
-    return CacheSummary(block_size=engine.layout.block_size, hash_key=hash_key,
-                        block_hash_prefixes=pool.cached_hash_prefixes(MAX_SUMMARY_BLOCKS),
-                        num_cached_blocks=pool.num_cached_blocks, taken_at=time.time())
+    summary = _summaries[engine] = CacheSummary(
+        block_size=engine.layout.block_size, hash_key=hash_key,
+        block_hash_prefixes=pool.cached_hash_prefixes(MAX_SUMMARY_BLOCKS), num_cached_blocks=pool.num_cached_blocks,
+        taken_at=now)
+    return summary
 
 
 def worker_info(async_engine: AsyncEngine, role: str, model_name: str) -> worker_pb2.WorkerInfo:

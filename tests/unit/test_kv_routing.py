@@ -111,6 +111,13 @@ def test_a_worker_publishes_its_cache_as_the_gateway_names_blocks_and_nothing_wh
     assert published.num_cached_blocks == llm.engine.block_pool.num_cached_blocks >= 10
     # The gateway, hashing the prompt on its own, finds every block the worker would look up.
     assert router().matched_blocks(worker("w", cache=published), PromptBlocks(prompt)) == 10
+    # Taken at most once per SUMMARY_MAX_AGE_S however many ask (every gateway process probes every worker).
+    assert cache_summary(llm.engine) is published
+    llm.generate([prompts_for(512, [41, 41])[1]], SamplingParams(max_tokens=1, temperature=0.0))  # other blocks
+    assert cache_summary(llm.engine) is published
+    retaken = cache_summary(llm.engine, max_age_s=0.0)
+    assert retaken is not published and retaken.num_cached_blocks > published.num_cached_blocks
+    assert retaken.taken_at >= published.taken_at
     off = LLM(str(tmp_path), max_model_len=128, block_size=BLOCK, enable_prefix_caching=False)
     off.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
     assert cache_summary(off.engine) is None
