@@ -80,6 +80,20 @@ def table_row(request: Request) -> bytes:
     return row
 
 
+def block_table(requests: list[Request]) -> tuple[array.array, int]:
+    """The requests' block table [S, width] flat in one int32 array (rows padded with zeros), and its width."""
+    width = max(len(r.block_ids) for r in requests)
+    padding = bytes(4 * width)
+    rows: list[bytes] = []
+    for request in requests:
+        row = table_row(request)
+        rows.append(row)
+        rows.append(padding[len(row):])
+    table = array.array("i")
+    table.frombytes(b"".join(rows))
+    return table, width
+
+
 @dataclass
 class DecodeInputs:
     input_ids: torch.Tensor  # [S] int64
@@ -319,10 +333,7 @@ class ModelRunner:
         the device are asynchronous). `lookahead`: each request has one more token than it knows (sampled by a
         step not applied yet): it computes that token's position, and its input id is filled in on the device."""
         bs = self.block_size
-        max_blocks = max(len(r.block_ids) for r in requests)
-        padding = bytes(4 * max_blocks)
         input_ids, positions, slots, context_lens = [], [], [], []
-        rows: list[bytes] = []  # the block table [S, max_blocks] as int32 bytes: each row joined, then padded
         ahead = int(lookahead)
         for request in requests:
             block_ids = request.block_ids
@@ -332,11 +343,7 @@ class ModelRunner:
             positions.append(position)
             slots.append(block_ids[position // bs] * bs + position % bs)  # `_slots` of one position
             context_lens.append(num_tokens)
-            row = table_row(request)
-            rows.append(row)
-            rows.append(padding[len(row):])
-        block_tables = array.array("i")
-        block_tables.frombytes(b"".join(rows))
+        block_tables, max_blocks = block_table(requests)
         return DecodeInputs(
             input_ids=self._host(input_ids, torch.int64),
             positions=self._host(positions, torch.int64),
@@ -447,15 +454,7 @@ class ModelRunner:
             as_bytes(v_dst).index_copy_(0, dst, as_bytes(v_src).index_select(0, src))
 
     def _block_tables(self, requests: list[Request]) -> torch.Tensor:
-        max_blocks = max(len(r.block_ids) for r in requests)
-        padding = bytes(4 * max_blocks)
-        rows: list[bytes] = []
-        for request in requests:
-            row = table_row(request)
-            rows.append(row)
-            rows.append(padding[len(row):])
-        flat = array.array("i")
-        flat.frombytes(b"".join(rows))
+        flat, max_blocks = block_table(requests)
         return self._to_device(flat, torch.int32).view(len(requests), max_blocks)
 
     def _host(self, values: list | array.array, dtype: torch.dtype) -> torch.Tensor:
