@@ -285,6 +285,8 @@ def main() -> None:
                              f"CPUs between 1 and 4 (here: {default_num_workers()})")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the gateway's --stream-interval (tokens per client message after the first)")
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                        help="the gateway's --local-prefill-max-tokens (prompts this short are prefilled on decode)")
     parser.add_argument("--client-processes", type=int, default=default_client_processes(),
                         help="load-generator processes the burst's requests are dealt to (one Python process receives "
                              "a few tens of thousands of messages a second at most); default one per 4 CPUs between "
@@ -309,7 +311,8 @@ def main() -> None:
     options = StackOptions(model=args.model, device=args.device, gateway_port=port,
                            gateway_http_port=free_port("127.0.0.1"), max_model_len=args.max_model_len,
                            max_num_seqs=args.max_num_seqs, threads=args.threads,
-                           gateway_workers=gateway_workers, stream_interval=args.stream_interval)
+                           gateway_workers=gateway_workers, stream_interval=args.stream_interval,
+                           local_prefill_max_tokens=args.local_prefill_max_tokens)
     engine_fraction = 0.85
     if args.device.startswith("cuda"):
         # The stack and the offline engine share the GPU: the engine gets the decode worker's share, so both have

@@ -114,7 +114,8 @@ class RequestRunner:
             try:
                 await engine.call(lambda e: e.add_request(
                     req_id, prompt, params, output_token_ids=prior, remote_prefill=remote,
-                    local_prefill_reason="local" if remote else "no_prefill_worker"), mid_step=True)
+                    local_prefill_reason="local" if remote else (request.local_prefill_reason or "no_prefill_worker")),
+                    mid_step=True)
                 while True:
                     event = await events.next()
                     if isinstance(event, ReservedEvent):

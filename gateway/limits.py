@@ -51,12 +51,19 @@ class GatewayLimits:
     # tokens as they come; N > 1 cuts the gateway's CPU per token (a message costs far more than a token)
     # for a burstier stream. The first tokens and the last are never held back.
     stream_interval: int = 1
+    # Prompts with at most this many tokens not in the decode worker's prefix cache are prefilled by the decode
+    # worker itself even when a prefill worker is up (conditional disaggregation, as NVIDIA Dynamo's
+    # --max-local-prefill-length): a short prompt's chunk costs a decode step little, and it skips the prefill
+    # worker's queue and the page handoff. 0: every prompt goes to a prefill worker when there is one.
+    local_prefill_max_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_messages", "max_stop_sequences", "max_stop_chars",
                      "max_stop_token_ids", "max_sequences_per_request", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.local_prefill_max_tokens < 0:
+            raise ConfigError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ConfigError(f"max_prompt_chars must be at least 1, got {self.max_prompt_chars}")
         min_stall_s = MIN_STALLED_HEARTBEATS * SESSION_HEARTBEAT_S

@@ -233,7 +233,7 @@ class Router:
             try:
                 while True:
                     try:
-                        prefill, decode = await self._route(parent, prompt, exclude=failed)
+                        prefill, decode, local_reason = await self._route(parent, prompt, exclude=failed)
                     except UnavailableError:
                         metrics.REQUESTS.labels(status="error").inc()
                         if isinstance(last_error, OverloadedError):
@@ -250,7 +250,7 @@ class Router:
                     remaining = None if deadline is None else max(1e-3, deadline - time.perf_counter())
                     try:
                         async for chunk in self._attempt(decode, prefill, request_id, prompt_ids, params,
-                                                         remaining, span, detok, progress, arrival):
+                                                         remaining, span, detok, progress, arrival, local_reason):
                             yield chunk
                         return
                     except _RetryableError as error:
@@ -265,9 +265,9 @@ class Router:
     async def _attempt(self, decode: WorkerRecord, prefill: WorkerRecord | None, request_id: str,
                        prompt_ids: list[int], params: SamplingParams, timeout: float | None, span: trace.Span,
                        detok: IncrementalDetokenizer, progress: Completion, arrival: float,
-                       ) -> AsyncGenerator[tuple[list[int], str, Completion], None]:
-        """One decode call, continuing `progress`; raises `_RetryableError` when another worker may finish
-        the request."""
+                       local_reason: str = "") -> AsyncGenerator[tuple[list[int], str, Completion], None]:
+        """One decode call, continuing `progress` (`local_reason`: why decode prefills it, when it does though a
+        prefill worker is up); raises `_RetryableError` when another worker may finish the request."""
         session = self._session(decode.address)
         # Workers key requests by id: a suffix per attempt keeps two clients' equal ids (or a retry racing
         # the old attempt's cleanup) apart, while logs and traces still show the client's id.
@@ -275,6 +275,7 @@ class Router:
         updates = session.start(worker_pb2.DecodeRequest(
             request_id=worker_request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_worker(params),
             prefill_address=prefill.address if prefill is not None else "",
+            local_prefill_reason=local_reason,
             output_token_ids=progress.token_ids), timeout, dict(inject_metadata(trace.set_span_in_context(span)) or ()),
             self.limits.stream_interval)
         ended = False
@@ -329,9 +330,10 @@ class Router:
         return session
 
     async def _route(self, parent: Context, prompt: PromptBlocks, exclude: set[str] | frozenset[str] = frozenset(),
-                     ) -> tuple[WorkerRecord | None, WorkerRecord]:
-        """The (prefill, decode) pair for a request, in a `route` span that says which and why (`KVRouter`); decode
-        workers in `exclude` (those this request has failed on) are left out. The pair counts as placed at once."""
+                     ) -> tuple[WorkerRecord | None, WorkerRecord, str]:
+        """The (prefill, decode) pair for a request and, when a prefill worker was passed over, why ("short_prompt":
+        `local_prefill_max_tokens`), in a `route` span that says which and why (`KVRouter`); decode workers in
+        `exclude` (those this request has failed on) are left out. The pair counts as placed at once."""
         with ending(self.tracer.start_span("route", context=parent)) as span:
             prefills = self._of_model(self.registry.workers("prefill"))
             decodes = [d for d in self.decode_workers() if d.address not in exclude]
@@ -339,12 +341,20 @@ class Router:
             prefill_choice, decode_choice = self.kv_router.choose_pair(prefills, decodes, prompt)
             decode = decode_choice.worker
             prefill = prefill_choice.worker if prefill_choice is not None else None
+            local_reason = ""
+            local_max = self.limits.local_prefill_max_tokens
+            if prefill is not None and local_max and (uncached := self._uncached_tokens(
+                    prompt, decode_choice.matched_blocks, decode)) <= local_max:
+                prefill, local_reason = None, "short_prompt"
             self.kv_router.place(decode, prompt)
             # A prompt decode holds whole (but its last token) never reaches the prefill worker.
             if prefill is not None and decode_choice.matched_blocks < prompt.num_lookup_blocks(decode):
                 self.kv_router.place(prefill, prompt)
             if prefill_choice is None:
                 prefill_reason = "no prefill worker with the decode worker's KV layout: decode prefills locally"
+            elif local_reason:
+                prefill_reason = (f"{uncached} uncached prompt tokens <= local_prefill_max_tokens {local_max}: "
+                                  "decode prefills locally")
             else:
                 prefill_reason = prefill_choice.reason
             span.set_attributes({
@@ -359,7 +369,13 @@ class Router:
                 "tandem.route.decode_candidates": _traced(decode_choice),
                 "tandem.route.prefill_candidates": _traced(prefill_choice) if prefill_choice else [],
                 "tandem.route.reason": f"decode: {decode_choice.reason}; prefill: {prefill_reason}"})
-            return prefill, decode
+            return prefill, decode, local_reason
+
+    @staticmethod
+    def _uncached_tokens(prompt: PromptBlocks, matched_blocks: int, decode: WorkerRecord) -> int:
+        """The prompt's tokens past the blocks the decode worker's prefix cache holds (as its summary says)."""
+        block_size = decode.cache.block_size if decode.cache is not None else 0
+        return len(prompt.token_ids) - matched_blocks * block_size
 
     async def _hash(self, prompt: PromptBlocks, workers: list[WorkerRecord]) -> None:
         """Hash the prompt as the workers' summaries name blocks (once per block size and key); a long prompt on

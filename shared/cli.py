@@ -264,6 +264,9 @@ LimitsGroup = "Limits"
 StreamIntervalOpt = Annotated[int, typer.Option(
     min=1, help="Tokens per streamed message after the first (vLLM's --stream-interval): 1 streams every step's "
                 "tokens; larger values cut the gateway's CPU per token for a burstier stream.")]
+LocalPrefillOpt = Annotated[int, typer.Option(
+    min=0, help="Prompts with at most this many tokens outside the decode worker's prefix cache are prefilled by "
+                "the decode worker itself, even with prefill workers up (conditional disaggregation); 0: never.")]
 DecodeStallOpt = Annotated[float, typer.Option(
     "--decode-stall-timeout", help="Seconds a decode worker may send nothing (not even its heartbeat) with "
     "requests in flight before they resume on another worker.", rich_help_panel=LimitsGroup)]
@@ -304,6 +307,7 @@ def gateway(
         rich_help_panel=LimitsGroup)] = 128,
     decode_stall_timeout: DecodeStallOpt = 10.0,
     stream_interval: StreamIntervalOpt = 1,
+    local_prefill_max_tokens: LocalPrefillOpt = 0,
     workers: Annotated[int, typer.Option(
         min=0, help="Gateway processes on the same ports (SO_REUSEPORT: the kernel spreads connections among them), "
                     "each with its own sessions to the decode workers and its own --max-concurrent-requests; "
@@ -332,7 +336,8 @@ def gateway(
                                max_messages=max_messages, max_stop_sequences=max_stop_sequences,
                                max_stop_chars=max_stop_chars, max_stop_token_ids=max_stop_token_ids,
                                max_sequences_per_request=max_sequences_per_request,
-                               decode_stall_timeout_s=decode_stall_timeout, stream_interval=stream_interval)
+                               decode_stall_timeout_s=decode_stall_timeout, stream_interval=stream_interval,
+                               local_prefill_max_tokens=local_prefill_max_tokens)
     except ConfigError as error:
         raise typer.BadParameter(str(error)) from None
     keys = parse_api_keys(api_key)
@@ -443,6 +448,7 @@ def up(
         "--decode-stall-timeout", help="The gateway's --decode-stall-timeout (default: the gateway's, 10 s).",
         rich_help_panel=LimitsGroup, show_default=False)] = None,
     stream_interval: StreamIntervalOpt = 1,
+    local_prefill_max_tokens: LocalPrefillOpt = 0,
     gateway_workers: Annotated[int | None, typer.Option(
         min=1, help="Gateway processes on the gateway's ports (`tandem gateway --workers`). Default: one per 4 "
                     "CPUs, between 1 and 4.", show_default=False)] = None,
@@ -470,7 +476,8 @@ def up(
                            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                            async_scheduling=async_scheduling, max_request_bytes=max_request_bytes,
                            decode_stall_timeout_s=decode_stall_timeout,
-                           stream_interval=stream_interval, gateway_workers=gateway_workers)
+                           stream_interval=stream_interval, local_prefill_max_tokens=local_prefill_max_tokens,
+                           gateway_workers=gateway_workers)
     raise typer.Exit(Stack(options).run(demo=demo, exit_after_demo=exit_after_demo))
 
 

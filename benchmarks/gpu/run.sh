@@ -51,6 +51,7 @@
 #   gc       the collector settled after start-up vs Python's default (gateway alone, #15's 1B rows), and the
 #            random-prompt workload alone with the cache on/off in both orders (#17), ~7 min
 #   client   #15: the stack's rows and the gateway alone with the burst dealt to 4 vs 1 load-generator processes, ~7 min
+#   local    #15/#14: the 1B rows with short prompts kept on decode (--local-prefill-max-tokens 256) vs 0, ~4 min
 #   last15   #15: the 1B rows twice and the gateway alone on the session's last code, ~4 min
 #   info     #15: after the cache summary's memo: decode step host parts, the 1B rows with decode's switch interval at
 #            5 and 0.5 ms, ~6 min
@@ -669,6 +670,20 @@ suite_last15() {
     step "gateway-alone-last" 90 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 \
         --gateway-workers 1 --num-requests "$(n 256 8)" --output-len "fixed:$(n 256 8)" --repeat "$(n 3 1)" \
         --out "$OUT/gateway-alone-w1-last.json"
+}
+
+# 2026-12-04, second session (#15, #14): conditional disaggregation: the gateway keeps prompts of at most N uncached
+# tokens on their decode worker (--local-prefill-max-tokens); the 1B rows with N = 256 (every prompt of these rows)
+# against 0 (all to the prefill worker), interleaved.
+suite_local() {
+    for i in 1 2; do
+        for t in 256 0; do
+            stack_row "1b-128-w4-local$t-$i" "$SMALL" 256 128 4 --local-prefill-max-tokens $t
+        done
+    done
+    for t in 256 0; do
+        stack_row "1b-1024-w4-local$t" "$SMALL" 256 1024 4 --local-prefill-max-tokens $t
+    done
 }
 
 # 2026-12-02 (fifth session): pure decode steps launched one ahead of the host (async scheduling), A/B by

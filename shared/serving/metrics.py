@@ -35,8 +35,8 @@ KV_INTEGRITY_FAILURES = Counter("tandem_kv_integrity_failures",
                                 "KV page messages refused for a checksum or size mismatch (never written)")
 LOCAL_PREFILL_TOKENS = Counter("tandem_decode_local_prefill_tokens",
                                "Prompt tokens a decode worker computed itself, by why (no_prefill_worker, "
-                               "transfer_failed, transfer_refused, unknown_prefill_worker, prefix_cached, "
-                               "shared_prefix_failed, shared_prefix_wait, preemption)", ["reason"])
+                               "short_prompt, transfer_failed, transfer_refused, unknown_prefill_worker, "
+                               "prefix_cached, shared_prefix_failed, shared_prefix_wait, preemption)", ["reason"])
 SPEC_DRAFT_TOKENS = Counter("tandem_spec_decode_num_draft_tokens", "Speculative proposals verified")
 SPEC_ACCEPTED_TOKENS = Counter("tandem_spec_decode_num_accepted_tokens", "Speculative proposals accepted")
 SPEC_DRAFT_PROMPT_TOKENS = Counter("tandem_spec_decode_draft_prompt_tokens",
