@@ -108,10 +108,18 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+# A load-generator process busier than this share of a core (its grpc threads included) may be what set the pace.
+CLIENT_BOUND_SHARE = 0.9
+
+
 def client_load(result: dict[str, Any]) -> str:
-    """The load generator's CPU over a run, in cores (near 1 per process: it, not the stack, set the pace)."""
-    return (f"load generator: {result['client_processes']} process(es), "
-            f"{result['client_cpu_s'] / result['duration_s']:.2f} cores")
+    """The load generator's CPU over a run, in cores, with a warning when its processes were near a core each (then
+    it, not the stack, may have set the pace: add --client-processes)."""
+    cores = result["client_cpu_s"] / result["duration_s"]
+    processes = result["client_processes"]
+    bound = cores >= CLIENT_BOUND_SHARE * processes
+    return (f"load generator: {processes} process(es), {cores:.2f} cores"
+            + ("; WARNING: near a core per process, it may be the limit (--client-processes)" if bound else ""))
 
 
 def run_stack(stack: Stack, address: str, args: argparse.Namespace) -> dict[str, Any]:
