@@ -4,7 +4,8 @@
         --prompt-len fixed:32 --output-len fixed:128 --out benchmarks/results/stack-overhead-cpu.json
 
 The engine runs the requests through `LLM.generate` (one process, no transport); the stack is started
-with `tandem up` (1 prefill, 1 decode, the gateway with `--gateway-workers` processes, by default `tandem up`'s)
+with `tandem up` (1 prefill, 1 decode, the gateway with `--gateway-workers` processes, by default `tandem up`'s;
+`--prefill-workers 0`: colocated)
 and gets the same requests as one burst through the public gRPC API (`tandem bench serve`'s client). Both ignore
 EOS, so both generate exactly the same tokens. Reported: output tokens/s of each, the stack's share of the
 engine's (the issue's target on a GPU: >= 90%), and each service's CPU time per output token (its processes
@@ -293,6 +294,8 @@ def main() -> None:
                              f"CPUs between 1 and 4 (here: {default_num_workers()})")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the gateway's --stream-interval (tokens per client message after the first)")
+    parser.add_argument("--prefill-workers", type=int, default=1,
+                        help="prefill workers of the stack (`tandem up --prefill`); 0: colocated, decode prefills")
     parser.add_argument("--local-prefill-max-tokens", type=int, default=0,
                         help="the gateway's --local-prefill-max-tokens (prompts this short are prefilled on decode)")
     parser.add_argument("--client-processes", type=int, default=default_client_processes(),
@@ -320,13 +323,14 @@ def main() -> None:
                            gateway_http_port=free_port("127.0.0.1"), max_model_len=args.max_model_len,
                            max_num_seqs=args.max_num_seqs, threads=args.threads,
                            gateway_workers=gateway_workers, stream_interval=args.stream_interval,
-                           local_prefill_max_tokens=args.local_prefill_max_tokens)
+                           local_prefill_max_tokens=args.local_prefill_max_tokens, num_prefill=args.prefill_workers)
     engine_fraction = 0.85
     if args.device.startswith("cuda"):
         # The stack and the offline engine share the GPU: the engine gets the decode worker's share, so both have
         # the same KV pool, and the three processes take GPU_SHARE together.
-        prefill_share = Stack(options).memory_shares()[0]
-        options = dataclasses.replace(options, gpu_memory_budget=(GPU_SHARE + prefill_share) / 2)
+        # Colocated (`--prefill-workers 0`): decode and the engine half of it each.
+        prefill_share = Stack(options).memory_shares()[0] if args.prefill_workers else 0.0
+        options = dataclasses.replace(options, gpu_memory_budget=(GPU_SHARE + args.prefill_workers * prefill_share) / 2)
         engine_fraction = Stack(options).memory_shares()[1]
         print(f"GPU memory: prefill {prefill_share:.3f}, decode and engine {engine_fraction:.3f} each", flush=True)
     stack = Stack(options)

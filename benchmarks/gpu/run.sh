@@ -51,6 +51,7 @@
 #   gc       the collector settled after start-up vs Python's default (gateway alone, #15's 1B rows), and the
 #            random-prompt workload alone with the cache on/off in both orders (#17), ~7 min
 #   client   #15: the stack's rows and the gateway alone with the burst dealt to 4 vs 1 load-generator processes, ~7 min
+#   colo     #15: the 1B and 8B rows through a colocated stack vs the default disaggregated one, ~7 min
 #   local    #15/#14: the 1B rows with short prompts kept on decode (--local-prefill-max-tokens 256) vs 0, ~4 min
 #   last15   #15: the 1B rows twice and the gateway alone on the session's last code, ~4 min
 #   info     #15: after the cache summary's memo: decode step host parts, the 1B rows with decode's switch interval at
@@ -683,6 +684,21 @@ suite_local() {
     done
     for t in 256 0; do
         stack_row "1b-1024-w4-local$t" "$SMALL" 256 1024 4 --local-prefill-max-tokens $t
+    done
+}
+
+# Prepared 2026-12-04 for the next session (#15): is the 128-token row's loss disaggregation's own cost on one GPU?
+# The 1B rows through a colocated stack (`--prefill-workers 0`) against the default (1 prefill worker, MPS),
+# interleaved, with the 8B row once each.
+suite_colo() {
+    for i in 1 2; do
+        for p in 0 1; do
+            stack_row "1b-128-w4-p$p-$i" "$SMALL" 256 128 4 --prefill-workers $p
+        done
+    done
+    for p in 0 1; do
+        stack_row "1b-1024-w4-p$p" "$SMALL" 256 1024 4 --prefill-workers $p
+        stack_row "8b-256-w4-p$p" "$BIG" 1024 256 4 --prefill-workers $p
     done
 }
 
