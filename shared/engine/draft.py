@@ -104,7 +104,7 @@ class _DraftView:
     block_ids: list[int]
     is_prefilling: bool = False
     kv_mirror: None = None
-    table_row: tuple[list[int], int, bytes] | None = None  # `runner.table_row`'s cache (a view lives one step)
+    table_row: tuple[list[int], bytes] | None = None  # `runner.table_row`'s cache (a view lives one step)
 
     def token_ids_from(self, start: int, num: int) -> list[int]:
         request = self.request

@@ -58,8 +58,8 @@ class Request:
     # Grows in place (`+=`) and is otherwise replaced by a new list, never edited in place: the runner keeps the
     # ids encoded for block tables (`table_row`) and tells a grown list from a new one by identity.
     block_ids: list[int] = field(default_factory=list)
-    # The runner's cache of `block_ids` as int32 bytes: (the list it encoded, its length then, the bytes).
-    table_row: tuple[list[int], int, bytes] | None = field(default=None, repr=False)
+    # The runner's cache of `block_ids` as int32 bytes: (the list it encoded, the bytes of its ids then).
+    table_row: tuple[list[int], bytes] | None = field(default=None, repr=False)
     # Tokens whose K/V are in this engine's cache (the scheduler advances it as steps compute them).
     num_computed_tokens: int = 0
     # The tokens it had when last admitted: until they are all computed it is prefilling (its prompt, or a

@@ -47,11 +47,10 @@ def host_tensor(values: list | array.array, dtype: torch.dtype, pin: bool,
     typecode; `pin`: in pinned memory, so that its copy to a GPU is asynchronous; `staging`: that memory from the
     step's arena."""
     code = _ARRAY_TYPECODES.get(dtype)
-    if isinstance(values, array.array) or (code is not None and values and not isinstance(values[0], list)):
-        if not isinstance(values, array.array):
-            assert code is not None
-            values = array.array(code, values)
-        elif values.typecode != code:
+    if isinstance(values, list) and code is not None and values and not isinstance(values[0], list):
+        values = array.array(code, values)
+    if isinstance(values, array.array):
+        if values.typecode != code:
             raise TypeError(f"an array of typecode {values.typecode!r} for a {dtype} tensor")
         if staging is not None:
             return staging.tensor(values, dtype)
@@ -59,6 +58,7 @@ def host_tensor(values: list | array.array, dtype: torch.dtype, pin: bool,
     else:
         tensor = torch.tensor(values, dtype=dtype)
     return tensor.pin_memory() if pin else tensor
+
 
 def table_row(request: Request) -> bytes:
     """`request.block_ids` as int32 bytes, a row of a block table. Kept on the request and extended as the list
@@ -68,15 +68,16 @@ def table_row(request: Request) -> bytes:
     ids = request.block_ids
     cached = request.table_row
     if cached is not None and cached[0] is ids:
-        known = cached[1]
+        row = cached[1]
+        known = len(row) // 4
         if len(ids) == known:
-            return cached[2]
+            return row
         if len(ids) > known:
-            row = cached[2] + array.array("i", ids[known:]).tobytes()
-            request.table_row = (ids, len(ids), row)
+            row += array.array("i", ids[known:]).tobytes()
+            request.table_row = (ids, row)
             return row
     row = array.array("i", ids).tobytes()
-    request.table_row = (ids, len(ids), row)
+    request.table_row = (ids, row)
     return row
 
 
