@@ -51,7 +51,8 @@
 #   gc       the collector settled after start-up vs Python's default (gateway alone, #15's 1B rows), and the
 #            random-prompt workload alone with the cache on/off in both orders (#17), ~7 min
 #   client   #15: the stack's rows and the gateway alone with the burst dealt to 4 vs 1 load-generator processes, ~7 min
-#   colo     #15: the 1B and 8B rows through a colocated stack vs the default disaggregated one, ~7 min
+#   colo     #15: the 1B and 8B rows through a colocated stack vs the default disaggregated one, then the 128-token
+#            row's burst timeline from its spans both ways, ~8 min
 #   local    #15/#14: the 1B rows with short prompts kept on decode (--local-prefill-max-tokens 256) vs 0, ~4 min
 #   last15   #15: the 1B rows twice and the gateway alone on the session's last code, ~4 min
 #   info     #15: after the cache summary's memo: decode step host parts, the 1B rows with decode's switch interval at
@@ -699,6 +700,14 @@ suite_colo() {
     for p in 0 1; do
         stack_row "1b-1024-w4-p$p" "$SMALL" 256 1024 4 --prefill-workers $p
         stack_row "8b-256-w4-p$p" "$BIG" 1024 256 4 --prefill-workers $p
+    done
+    # The 128-token row's burst on one clock, both ways: when each phase of the 256 requests started and ended.
+    for p in 1 0; do
+        OTEL_TRACES_EXPORTER=console stack_row "1b-128-w4-p$p-spans" "$SMALL" 256 128 4 --prefill-workers $p
+        local logs
+        logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
+        step "timeline-1b-128-p$p" 60 $PY -m tandem.benchmarks.span_phases "$logs" --burst "$(n 256 8)" \
+            --out "$OUT/timeline-1b-128-p$p.json"
     done
 }
 
