@@ -123,7 +123,8 @@ def print_timeline(timeline: dict[str, Any]) -> None:
           "(p10 / p50 / p90 / max)")
     print(f"{'span':24s} {'start':>31s}   {'end':>31s}")
     for name, row in timeline["spans"].items():
-        start, end = ("/".join(f"{row[key][q]:7.1f}" for q in ("p10", "p50", "p90", "max")) for key in ("start_ms", "end_ms"))
+        start, end = ("/".join(f"{row[key][q]:7.1f}" for q in ("p10", "p50", "p90", "max"))
+                      for key in ("start_ms", "end_ms"))
         print(f"{name[:24]:24s} {start}   {end}")
     batches = timeline["prefill_batches"]
     if batches:
