@@ -341,6 +341,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   gpu_memory_fraction=engine_fraction)
+        llm.engine.warm_up()  # as a worker's engine is warmed before it reports healthy (kernels, the largest step)
         run_engine(llm, requests[:8])  # warm-up (graphs, allocator, oneDNN packing)
         run_stack(stack, f"127.0.0.1:{port}", argparse.Namespace(**{**vars(args), "num_requests": 8}))
         for i in range(args.repeat):

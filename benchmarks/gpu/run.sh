@@ -53,6 +53,8 @@
 #   client   #15: the stack's rows and the gateway alone with the burst dealt to 4 vs 1 load-generator processes, ~7 min
 #   colo     #15: the 1B and 8B rows through a colocated stack vs the default disaggregated one, then the 128-token
 #            row's burst timeline from its spans both ways, ~8 min
+#   warm     #15: after the full-budget warm-up step: the three rows (medians of interleaved runs), the 128-token
+#            row's timeline, ~6 min
 #   local    #15/#14: the 1B rows with short prompts kept on decode (--local-prefill-max-tokens 256) vs 0, ~4 min
 #   last15   #15: the 1B rows twice and the gateway alone on the session's last code, ~4 min
 #   info     #15: after the cache summary's memo: decode step host parts, the 1B rows with decode's switch interval at
@@ -709,6 +711,22 @@ suite_colo() {
         step "timeline-1b-128-p$p" 60 $PY -m tandem.benchmarks.span_phases "$logs" --burst "$(n 256 8)" \
             --out "$OUT/timeline-1b-128-p$p.json"
     done
+}
+
+# 2026-12-04 (third session, #15): every worker's warm-up ends with one step at its whole token budget (the first
+# 8,192-token batch of a fresh prefill worker took 121 ms against ~42), and the offline engine is warmed the same
+# way. The three rows with medians of interleaved runs, then the 128-token row's burst timeline again.
+suite_warm() {
+    for i in 1 2; do
+        stack_row "1b-128-w4-warm-$i" "$SMALL" 256 128 4 --repeat "$(n 3 1)"
+    done
+    stack_row "1b-1024-w4-warm" "$SMALL" 256 1024 4 --repeat "$(n 2 1)"
+    stack_row "8b-256-w4-warm" "$BIG" 1024 256 4
+    OTEL_TRACES_EXPORTER=console stack_row "1b-128-w4-warm-spans" "$SMALL" 256 128 4
+    local logs
+    logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
+    step "timeline-1b-128-warm" 60 $PY -m tandem.benchmarks.span_phases "$logs" --burst "$(n 256 8)" \
+        --out "$OUT/timeline-1b-128-warm.json"
 }
 
 # 2026-12-02 (fifth session): pure decode steps launched one ahead of the host (async scheduling), A/B by

@@ -390,6 +390,8 @@ class Engine:
             while self.requests[req_id].status in (RequestStatus.WAITING, RequestStatus.RUNNING):
                 self.step()
             self.release(req_id)
+        if self.runner.device.type == "cuda":
+            self._warm_up_full_step()
         if self.draft is not None and self.speculative is not None:
             # A draft model's catch-up, decode steps and the verify step: a few tokens decoded here.
             max_tokens = self.speculative.num_speculative_tokens + 2
@@ -400,6 +402,25 @@ class Engine:
                                  SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0, ignore_eos=True))
                 while "warm-up-draft" in self.requests:
                     self.step()
+
+    def _warm_up_full_step(self) -> None:
+        """One step of prompts at the whole token budget (as far as the pool holds them): the caching allocator
+        takes the largest step's activations and the GEMMs meet their largest shapes now. On the H200 the first
+        8,192-token batch of a fresh llama-3.2-1b prefill worker took 121 ms against 38-55 for the next seven
+        (benchmarks/results/h200-2026-12-04c), and every request of that burst waited for it."""
+        budget = self.scheduler.config.max_num_batched_tokens or 0
+        num_tokens = min(budget, self.max_model_len - 1)
+        spare_tokens = (self.block_pool.num_free_blocks - 1) * self.runner.block_size
+        num_prompts = min(budget, spare_tokens) // num_tokens if num_tokens > 0 else 0
+        vocab = self.config.model.vocab_size
+        req_ids = [f"warm-up-step-{i}" for i in range(num_prompts)]
+        for i, req_id in enumerate(req_ids):
+            prompt = [(11 * j + 3 * i + 1) % vocab for j in range(num_tokens)]
+            self.add_request(req_id, prompt, SamplingParams(max_tokens=1, temperature=0.0, seed=0), prefill_only=True)
+        while any(self.requests[r].status in (RequestStatus.WAITING, RequestStatus.RUNNING) for r in req_ids):
+            self.step()
+        for req_id in req_ids:
+            self.release(req_id)
 
     # -- prefill role -----------------------------------------------------------------------------------
     def read_pages(self, request: Request, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
