@@ -107,6 +107,11 @@ def burst_timeline(spans: list[dict[str, Any]], num_requests: int) -> dict[str, 
         row = rows.setdefault(span["name"], {"start": [], "end": []})
         row["start"].append(start)
         row["end"].append(end)
+        for event in span.get("events", []):
+            at = (_t(event["timestamp"]) - origin) * 1e3
+            event_row = rows.setdefault(f"{span['name']} @{event['name']}", {"start": [], "end": []})
+            event_row["start"].append(at)
+            event_row["end"].append(at)
         if span["name"] == "prefill.batch":
             attributes = span.get("attributes", {})
             batches.append({"start_ms": start, "duration_ms": end - start,

@@ -116,6 +116,8 @@ class RequestRunner:
                     req_id, prompt, params, output_token_ids=prior, remote_prefill=remote,
                     local_prefill_reason="local" if remote else (request.local_prefill_reason or "no_prefill_worker")),
                     mid_step=True)
+                if admission is not None:
+                    admission.add_event("queued")  # on the engine's queue: the rest of admission is its reservation
                 while True:
                     event = await events.next()
                     if isinstance(event, ReservedEvent):

@@ -176,6 +176,7 @@ async def test_one_trace_covers_gateway_prefill_and_decode(smollm2_path: Path, r
     assert trace["decode"].attributes["tandem.decode.steps"] == 5  # the first token came from prefill
     assert trace["stream"].attributes["tandem.finish_reason"] == "length"
     assert trace["route"].attributes["tandem.route.prefill"] != ""
+    assert "queued" in trace["decode.admission"].event_names  # on the engine's queue, then its blocks reserved
     assert not any(span.is_error for span in trace.values())
 
     # The batched forward is a span of its own, linked to the request's prefill span (and back).
