@@ -47,6 +47,7 @@ import tandem
 from tandem import LLM, SamplingParams
 from tandem.benchmarks.serve import LengthDist, default_client_processes, run_rate, workload
 from tandem.common.debug import dump_stacks_on_sigusr1
+from tandem.decode_svc.sessions import session_window
 from tandem.gateway.workers import default_num_workers
 from tandem.launcher import Stack, StackOptions, free_port, is_serving
 from tandem.models import load_model_config, load_tokenizer
@@ -173,10 +174,17 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         pending = worker_pb2.SessionResponse()
         open_updates: dict[str, worker_pb2.SessionUpdate] = {}  # each request's update in `pending`
         ready, busy = asyncio.Event(), asyncio.Event()
+        window = session_window(context.invocation_metadata())  # as the worker's writer: at most this many unacked
+        num_unacked = 0
 
         async def read() -> None:
+            nonlocal num_unacked
             async for message in requests:
-                if message.WhichOneof("kind") == "start":
+                kind = message.WhichOneof("kind")
+                if kind == "ack":
+                    num_unacked = max(num_unacked - message.ack.num_messages, 0)
+                    ready.set()
+                elif kind == "start":
                     request = message.start.request
                     running[request.request_id] = [len(request.output_token_ids), request.sampling.max_tokens,
                                                    message.start.slot, 0]
@@ -217,8 +225,11 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
             while True:
                 await ready.wait()
                 ready.clear()
+                if window and num_unacked >= window:
+                    continue  # an ack sets `ready`
                 message, pending = pending, worker_pb2.SessionResponse()
                 open_updates.clear()
+                num_unacked += 1
                 yield message
         finally:
             for task in tasks:

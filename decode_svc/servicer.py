@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem.decode_svc.generation import RequestRunner
-from tandem.decode_svc.sessions import Sessions
+from tandem.decode_svc.sessions import Sessions, session_window
 from tandem.serving.async_engine import AsyncEngine
 from tandem.serving.worker import worker_info
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -37,7 +37,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     async def Session(self, requests: AsyncIterator[worker_pb2.SessionRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.SessionResponse]:
         """Many requests over one stream; the new tokens of all of them go out together."""
-        responses = self.sessions.serve(requests)
+        responses = self.sessions.serve(requests, session_window(context.invocation_metadata()))
         async with contextlib.aclosing(responses):
             async for response in responses:
                 yield response

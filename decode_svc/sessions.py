@@ -9,6 +9,12 @@ A request started with a slot has its steady tokens (after its first update) sen
 straight from the engine thread (`tandem.serving.async_engine`): the gateway reads the columns before the updates,
 so a request's tokens that come after one of its updates in the same message join that update instead.
 
+A gateway that opens the session with `x-tandem-session-window: N` acknowledges every message it reads
+(`SessionAck`), and the writer then keeps at most N messages unacknowledged: what comes meanwhile joins the next
+one. Without it a gateway behind the engine read the transport's buffer of one-step messages, one per turn of its
+event loop, each waking every request's task for one token (its CPU per token at its worst, on tokens already
+stale); with it each message it reads carries all the steps since its last.
+
 While requests are in flight, the writer also sends an empty message whenever it has sent nothing for
 `SESSION_HEARTBEAT_S` (a request waiting on a long prefill, say): the gateway takes a session that stays silent
 far longer for a frozen worker and moves its requests elsewhere. Heartbeats come from this writer, not from the
@@ -22,7 +28,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,6 +40,23 @@ from tandem.serving.service import SESSION_HEARTBEAT_S
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
+
+# The gateway's metadata key for a session's window (messages it may leave unacknowledged), and the largest taken.
+SESSION_WINDOW_KEY = "x-tandem-session-window"
+MAX_SESSION_WINDOW = 64
+
+
+def session_window(metadata: Iterable[tuple[str, str | bytes]] | None) -> int:
+    """The window a gateway asked for in its session's metadata; 0 (none: send as fast as the transport takes it)
+    when it asked for none or for something that is not a count."""
+    for key, value in metadata or ():
+        if key == SESSION_WINDOW_KEY:
+            try:
+                window = int(value)
+            except ValueError:
+                return 0
+            return min(max(window, 0), MAX_SESSION_WINDOW)
+    return 0
 
 
 @dataclass(eq=False)  # hashed by identity: the servicer keeps a set of its sessions
@@ -49,6 +72,21 @@ class _Session:
     _open: dict[str, worker_pb2.SessionUpdate] = field(default_factory=dict)
     # The same updates by slot, for requests that have one: their tokens in columns join them.
     _open_slots: dict[int, worker_pb2.SessionUpdate] = field(default_factory=dict)
+    # Flow control (0: none): messages sent that the gateway has not acknowledged yet may be at most `window`.
+    window: int = 0
+    num_unacked: int = 0
+
+    def acked(self, num_messages: int) -> None:
+        self.num_unacked = max(self.num_unacked - num_messages, 0)
+        self.ready.set()
+
+    def is_blocked(self, reader: asyncio.Task[None]) -> bool:
+        """The window is full (a gateway that stopped reading acks nothing more: then nothing holds back)."""
+        return 0 < self.window <= self.num_unacked and not reader.done()
+
+    def sent(self) -> None:
+        if self.window:
+            self.num_unacked += 1
 
     def send(self, req_id: str, response: worker_pb2.DecodeResponse, slot: int = 0) -> None:
         update = self._open.get(req_id)
@@ -119,9 +157,10 @@ class Sessions:
         self._sessions: set[_Session] = set()
         self.draining = False
 
-    async def serve(self, requests: AsyncIterator[worker_pb2.SessionRequest]
+    async def serve(self, requests: AsyncIterator[worker_pb2.SessionRequest], window: int = 0
                     ) -> AsyncIterator[worker_pb2.SessionResponse]:
-        session = _Session()
+        """The session's messages; `window` (`session_window`): how many may go unacknowledged, 0 for no limit."""
+        session = _Session(window=window)
         self._sessions.add(session)
         reader = asyncio.create_task(self._read(requests, session))
         try:
@@ -130,16 +169,23 @@ class Sessions:
                     async with asyncio.timeout(SESSION_HEARTBEAT_S):
                         await session.ready.wait()
                 except TimeoutError:
-                    if session.tasks:
+                    if session.tasks and not session.is_blocked(reader):
+                        session.sent()
                         yield worker_pb2.SessionResponse()  # a heartbeat: alive, nothing new
                     continue
                 session.ready.clear()
+                if session.is_blocked(reader):
+                    continue  # an ack (or the reader's end) sets `ready` again
                 if (message := session.take()) is not None:
+                    session.sent()
                     yield message
                 if not session.tasks and (self.draining or reader.done()):
                     # Draining (or the gateway closed its side) and nothing left in flight. A request that ended
                     # while the message above was being written left its last updates behind: they go first.
+                    if session.is_blocked(reader):
+                        continue
                     if (message := session.take()) is not None:
+                        session.sent()
                         yield message
                     return
         finally:
@@ -163,6 +209,8 @@ class Sessions:
                 kind = message.WhichOneof("kind")
                 if kind == "start":
                     self._start(session, message.start)
+                elif kind == "ack":
+                    session.acked(message.ack.num_messages)
                 elif kind == "cancel" and (task := session.tasks.get(message.cancel.request_id)) is not None:
                     task.cancel()
         finally:

@@ -19,6 +19,11 @@ still gets one token per wake-up, one client message per token, and the gateway 
 the decode worker's writer feels the lag within a few steps and merges the steps since its last message into one
 (`decode_svc.sessions`), so the gateway's cost per token falls as its load rises.
 
+On top of that transport window the session asks for one in messages (`SESSION_ACK_WINDOW`, the
+`x-tandem-session-window` metadata): the gateway acknowledges each message as it reads it, and the worker leaves
+at most that many unacknowledged, so the messages it reads are never more than a message or two stale whatever their
+size (the byte window holds ~4 steps of 256 requests' tokens, but ~30 of 32 requests').
+
 A request's steady tokens come in the messages' token columns (`TokenColumns`, under the slot the gateway gave the
 request at its start), read before the message's updates.
 """
@@ -50,6 +55,10 @@ SESSION_WINDOW_BYTES = 8192
 # `TANDEM_SESSION_COLUMNS=0`: no slots (every token in updates) and HTTP/2's default window, as before the columns (an
 # experiment's A/B switch, and a way back).
 SESSION_COLUMNS = env_number("TANDEM_SESSION_COLUMNS", 1, int) != 0
+# Messages of a session the decode worker may send before the gateway has acknowledged reading them (0: no acks, the
+# transport's window alone). `TANDEM_SESSION_ACK_WINDOW` sets it for an A/B.
+SESSION_ACK_WINDOW = env_number("TANDEM_SESSION_ACK_WINDOW", 2, int)
+_ACK = object()  # in the outbox: send an ack of the messages read since the last one
 
 
 def session_channel(address: str, tls: TlsConfig | None = None, internal_token: str | None = None,
@@ -232,7 +241,7 @@ class DecodeSession:
     def __init__(self, channel: grpc.aio.Channel, address: str, stall_timeout_s: float | None = None) -> None:
         self.address = address
         self.closed = False
-        self._outbox: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
+        self._outbox: asyncio.Queue[worker_pb2.SessionRequest | object | None] = asyncio.Queue()
         self._requests: dict[str, RequestUpdates] = {}
         # Requests by slot (their number in the messages' token columns), and the next slot to give.
         self._slots: dict[int, RequestUpdates] = {}
@@ -242,7 +251,9 @@ class DecodeSession:
         # while requests are in flight (an idle worker sends no heartbeats).
         self._last_heard = loop.time()
         self._stalled: SessionEnded | None = None
-        self._call = worker_pb2_grpc.DecodeStub(channel).Session(self._outgoing())
+        self._num_unacked = 0  # messages read and not acknowledged yet (an `_ACK` is in the outbox when > 0)
+        metadata = (("x-tandem-session-window", str(SESSION_ACK_WINDOW)),) if SESSION_ACK_WINDOW > 0 else None
+        self._call = worker_pb2_grpc.DecodeStub(channel).Session(self._outgoing(), metadata=metadata)
         self._reader = loop.create_task(self._read())
         self._watchdog = loop.create_task(self._watch(stall_timeout_s)) if stall_timeout_s else None
 
@@ -282,7 +293,17 @@ class DecodeSession:
 
     async def _outgoing(self) -> AsyncIterator[worker_pb2.SessionRequest]:
         while (message := await self._outbox.get()) is not None:
-            yield message
+            if message is _ACK:  # every message read since the last ack, in one
+                num_messages, self._num_unacked = self._num_unacked, 0
+                yield worker_pb2.SessionRequest(ack=worker_pb2.SessionAck(num_messages=num_messages))
+            else:
+                yield message  # type: ignore[misc]
+
+    def _ack(self) -> None:
+        if SESSION_ACK_WINDOW > 0:
+            self._num_unacked += 1
+            if self._num_unacked == 1:
+                self._outbox.put_nowait(_ACK)
 
     async def _read(self) -> None:
         ended = SessionEnded(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.address} ended the session")
@@ -290,6 +311,7 @@ class DecodeSession:
         try:
             async for response in self._call:
                 self._last_heard = loop.time()  # a heartbeat (no updates) counts as much as tokens
+                self._ack()  # read: the worker may send the next (its tokens go to the requests below first)
                 columns = response.tokens
                 if columns.slots:  # before the updates: the worker puts a request's later tokens in its update
                     slots = self._slots

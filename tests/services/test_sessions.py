@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from tandem.decode_svc.servicer import DecodeServicer
-from tandem.decode_svc.sessions import _Session
+from tandem.decode_svc.sessions import MAX_SESSION_WINDOW, _Session, session_window
 from tandem.gateway.sessions import DecodeSession, RequestUpdates, SessionEnded, Update
 from tandem.serving.rpc import make_channel
 from tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -113,6 +113,65 @@ async def test_one_message_carries_many_requests_tokens(workers: tuple[Worker, W
     assert tokens == dict.fromkeys(range(num_requests), max_tokens)
     # One message per token per request would be num_requests * max_tokens messages.
     assert num_messages <= num_requests * max_tokens // 2, num_messages
+
+
+async def test_a_session_window_holds_messages_until_the_gateway_acks(workers: tuple[Worker, Worker],
+                                                                      model_folder: Path) -> None:
+    """With `x-tandem-session-window: 1` the worker sends nothing more until the last message is acknowledged, and
+    what came meanwhile arrives merged into the next message; every token still arrives, in order."""
+    prefill, decode = workers
+    prompts = prompts_for(512, [6, 13, 21])
+    max_tokens = 12
+    outbox: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
+    for i, prompt in enumerate(prompts):
+        outbox.put_nowait(worker_pb2.SessionRequest(start=worker_pb2.SessionStart(
+            request=decode_request(f"w{i}", prompt, prefill.address, max_tokens=max_tokens))))
+
+    async def outgoing() -> AsyncIterator[worker_pb2.SessionRequest]:
+        while (message := await outbox.get()) is not None:
+            yield message
+
+    def ack() -> None:
+        outbox.put_nowait(worker_pb2.SessionRequest(ack=worker_pb2.SessionAck(num_messages=1)))
+
+    channel = make_channel(decode.address)
+    call = worker_pb2_grpc.DecodeStub(channel).Session(outgoing(), metadata=(("x-tandem-session-window", "1"),))
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    ended: set[int] = set()
+
+    def take(response: worker_pb2.SessionResponse) -> int:
+        for update in response.updates:
+            index = int(update.request_id[1:])
+            tokens[index] += update.response.token_ids
+            if update.response.finish_reason:
+                ended.add(index)
+        return sum(len(u.response.token_ids) for u in response.updates)
+
+    take(await call.read())
+    # Not acknowledged: nothing more comes, however many steps the engine makes meanwhile.
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(read := asyncio.ensure_future(call.read())), timeout=0.5)
+    ack()
+    merged = take(await read)
+    assert merged >= 2  # the steps made while the window was full, in one message
+    num_messages = 2
+    while len(ended) < len(prompts):
+        ack()
+        take(await call.read())
+        num_messages += 1
+    outbox.put_nowait(None)
+    call.cancel()
+    await channel.close()
+    assert [tokens[i] for i in range(len(prompts))] == reference_tokens(model_folder, prompts, max_tokens=max_tokens)
+    assert num_messages < len(prompts) * max_tokens
+
+
+def test_the_session_window_from_metadata() -> None:
+    assert session_window(None) == 0
+    assert session_window([("x-tandem-session-window", "2"), ("other", "5")]) == 2
+    assert session_window([("x-tandem-session-window", "two")]) == 0  # not a count: no window
+    assert session_window([("x-tandem-session-window", "100000")]) == MAX_SESSION_WINDOW
+    assert session_window([("x-tandem-session-window", "-3")]) == 0
 
 
 async def test_cancelling_one_request_leaves_the_others_alone(workers: tuple[Worker, Worker],
