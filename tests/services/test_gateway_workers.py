@@ -81,7 +81,7 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
                     self.session_of[request_id] = session
                     self.starts[request_id] = message.start
                     tasks[request_id] = asyncio.ensure_future(run(message.start.request))
-                else:
+                elif message.WhichOneof("kind") == "cancel":  # acks (the gateway's flow control) are ignored here
                     self.cancels.append(message.cancel.request_id)
                     if (task := tasks.pop(message.cancel.request_id, None)) is not None:
                         task.cancel()
