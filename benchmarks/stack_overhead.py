@@ -227,6 +227,8 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
                 ready.clear()
                 if window and num_unacked >= window:
                     continue  # an ack sets `ready`
+                if not pending.updates and not pending.tokens.slots:
+                    continue  # woken by an ack with nothing new (the worker's writer sends nothing then either)
                 message, pending = pending, worker_pb2.SessionResponse()
                 open_updates.clear()
                 num_unacked += 1

@@ -731,27 +731,27 @@ suite_warm() {
 }
 
 # 2026-12-04 (third session, #15), one call for what is left of the budget: the full-budget warm-up step and the
-# session's flow control in messages (TANDEM_SESSION_ACK_WINDOW=2, the default, against 0: the byte window alone),
+# session's flow control in messages (TANDEM_SESSION_ACK_WINDOW=1, the default, against 0: the byte window alone),
 # A/B on the 1B rows (medians of interleaved runs), the gateway alone both ways, the 8B row, then the 128-token row's
 # timeline. Most important first. ~7 min.
 suite_final15() {
-    for w in 2 0; do
+    for w in 1 0; do
         TANDEM_SESSION_ACK_WINDOW=$w stack_row "1b-128-w4-ack$w" "$SMALL" 256 128 4 --repeat "$(n 3 1)"
     done
-    for w in 2 0; do
+    for w in 1 0; do
         TANDEM_SESSION_ACK_WINDOW=$w stack_row "1b-1024-w4-ack$w" "$SMALL" 256 1024 4 --repeat "$(n 2 1)"
     done
-    for w in 2 0; do
+    for w in 1 2 0; do
         TANDEM_SESSION_ACK_WINDOW=$w step "gateway-alone-ack$w" 60 $PY -m tandem.benchmarks.stack_overhead \
             --fake-decode-step-ms 1 --num-requests "$(n 256 8)" --output-len "fixed:$(n 256 8)" --gateway-workers 1 \
             --repeat "$(n 3 1)" --label "gateway-alone-ack$w" --out "$OUT/gateway-alone-ack$w.json"
     done
-    stack_row "8b-256-w4-ack2" "$BIG" 1024 256 4
-    OTEL_TRACES_EXPORTER=console stack_row "1b-128-w4-ack2-spans" "$SMALL" 256 128 4
+    stack_row "8b-256-w4-ack1" "$BIG" 1024 256 4
+    OTEL_TRACES_EXPORTER=console stack_row "1b-128-w4-ack1-spans" "$SMALL" 256 128 4
     local logs
     logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
-    step "timeline-1b-128-ack2" 60 $PY -m tandem.benchmarks.span_phases "$logs" --burst "$(n 256 8)" \
-        --out "$OUT/timeline-1b-128-ack2.json"
+    step "timeline-1b-128-ack1" 60 $PY -m tandem.benchmarks.span_phases "$logs" --burst "$(n 256 8)" \
+        --out "$OUT/timeline-1b-128-ack1.json"
 }
 
 # 2026-12-02 (fifth session): pure decode steps launched one ahead of the host (async scheduling), A/B by
