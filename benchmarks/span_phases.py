@@ -99,7 +99,7 @@ def burst_timeline(spans: list[dict[str, Any]], num_requests: int) -> dict[str, 
         return {}
     origin = starts[-min(num_requests, len(starts))]
     rows: dict[str, dict[str, list[float]]] = {}
-    batches = []
+    batches: list[dict[str, Any]] = []
     for span in spans:
         start, end = (_t(span["start_time"]) - origin) * 1e3, (_t(span["end_time"]) - origin) * 1e3
         if start < -1.0:  # before the burst (warm-up requests)
@@ -116,8 +116,9 @@ def burst_timeline(spans: list[dict[str, Any]], num_requests: int) -> dict[str, 
             attributes = span.get("attributes", {})
             batches.append({"start_ms": start, "duration_ms": end - start,
                             "prompt_tokens": attributes.get("tandem.prompt_tokens", 0)})
-    table = {name: {"count": len(row["start"]), "start_ms": _quantiles(row["start"]), "end_ms": _quantiles(row["end"])}
-             for name, row in rows.items()}
+    table: dict[str, dict[str, Any]] = {
+        name: {"count": len(row["start"]), "start_ms": _quantiles(row["start"]), "end_ms": _quantiles(row["end"])}
+        for name, row in rows.items()}
     return {"num_requests": num_requests,
             "spans": dict(sorted(table.items(), key=lambda item: item[1]["start_ms"]["p50"])),
             "prefill_batches": sorted(batches, key=lambda batch: batch["start_ms"])}
