@@ -19,7 +19,7 @@ still gets one token per wake-up, one client message per token, and the gateway 
 the decode worker's writer feels the lag within a few steps and merges the steps since its last message into one
 (`decode_svc.sessions`), so the gateway's cost per token falls as its load rises.
 
-On top of that transport window the session asks for one in messages (`SESSION_ACK_WINDOW`: 1, the
+On top of that transport window the session may ask for one in messages (`SESSION_ACK_WINDOW`, off by default; the
 `x-tandem-session-window` metadata): the gateway acknowledges each message as it reads it, and the worker leaves
 at most that many unacknowledged, so the messages it reads are never more than a message stale whatever their
 size (the byte window holds ~4 steps of 256 requests' tokens, but ~30 of 32 requests').
@@ -60,8 +60,11 @@ SESSION_COLUMNS = env_number("TANDEM_SESSION_COLUMNS", 1, int) != 0
 # Measured on the gateway alone (2-core CPU VM, `stack_overhead --fake-decode-step-ms 1|4 --num-requests 256
 # --output-len fixed:256 --gateway-workers 1 --repeat 3`, two interleaved invocations each; benchmarks/results/
 # cpu-2026-12-04): at 1 ms steps 17.7 / 23.3 µs of CPU per token with 1, 23.5 / 26.4 with 2, 30.4 / 31.1 with none; at
-# 4 ms steps 36.9 / 34.5, 40.4 / 36.8 and 41.7 / 37.7; at 10 ms steps (not saturated) no difference.
-SESSION_ACK_WINDOW = env_number("TANDEM_SESSION_ACK_WINDOW", 1, int)
+# 4 ms steps 36.9 / 34.5, 40.4 / 36.8 and 41.7 / 37.7; at 10 ms steps (not saturated) no difference. Off by default
+# until measured on a GPU stack: each ack costs the decode worker's event loop a gRPC read (65-77 µs of CPU on that
+# VM), about one per step per gateway process while the gateways keep up, in the process whose GIL paces a fast
+# model's steps.
+SESSION_ACK_WINDOW = env_number("TANDEM_SESSION_ACK_WINDOW", 0, int)
 _ACK = object()  # in the outbox: send an ack of the messages read since the last one
 
 

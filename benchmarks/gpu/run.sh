@@ -731,7 +731,7 @@ suite_warm() {
 }
 
 # 2026-12-04 (third session, #15), one call for what is left of the budget: the full-budget warm-up step and the
-# session's flow control in messages (TANDEM_SESSION_ACK_WINDOW=1, the default, against 0: the byte window alone),
+# session's flow control in messages (TANDEM_SESSION_ACK_WINDOW=1 against 0, the default: the byte window alone),
 # A/B on the 1B rows (medians of interleaved runs), the gateway alone both ways, the 8B row, then the 128-token row's
 # timeline. Most important first. ~7 min.
 suite_final15() {

@@ -166,6 +166,35 @@ async def test_a_session_window_holds_messages_until_the_gateway_acks(workers: t
     assert num_messages < len(prompts) * max_tokens
 
 
+async def test_the_gateway_acks_what_it_reads_and_gets_every_token(workers: tuple[Worker, Worker], model_folder: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TANDEM_SESSION_ACK_WINDOW=1` on the gateway: its session asks for the window, acknowledges every message, and
+    the worker never has more than one unacknowledged; every request's tokens are the reference's."""
+    prefill, decode = workers
+    monkeypatch.setattr("tandem.gateway.sessions.SESSION_ACK_WINDOW", 1)
+    most_unacked: list[int] = []
+    sent = _Session.sent
+
+    def spy(session: _Session) -> None:
+        sent(session)
+        most_unacked.append(session.num_unacked if session.window else -1)
+
+    monkeypatch.setattr(_Session, "sent", spy)
+    prompts = prompts_for(512, [4, 19, 27, 10])
+    lengths = [10, 6, 12, 3]
+    channel = make_channel(decode.address)
+    session = DecodeSession(channel, decode.address)
+    queues = [session.start(decode_request(f"a{i}", p, prefill.address, max_tokens=n), None)
+              for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    results = await asyncio.gather(*(collect(q) for q in queues))
+    for i, (tokens, _) in enumerate(results):
+        assert tokens == reference_tokens(model_folder, [prompts[i]], max_tokens=lengths[i])[0]
+        session.finish(f"a{i}", cancel=False)
+    assert most_unacked and max(most_unacked) == 1  # windowed (not -1), and never two in flight
+    await session.close()
+    await channel.close()
+
+
 def test_the_session_window_from_metadata() -> None:
     assert session_window(None) == 0
     assert session_window([("x-tandem-session-window", "2"), ("other", "5")]) == 2
