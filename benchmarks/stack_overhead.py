@@ -47,11 +47,11 @@ import tandem
 from tandem import LLM, SamplingParams
 from tandem.benchmarks.serve import LengthDist, default_client_processes, run_rate, workload
 from tandem.common.debug import dump_stacks_on_sigusr1
-from tandem.decode_svc.sessions import session_window
 from tandem.gateway.workers import default_num_workers
 from tandem.launcher import Stack, StackOptions, free_port, is_serving
 from tandem.models import load_model_config, load_tokenizer
 from tandem.serving.rpc import start_server
+from tandem.serving.service import session_window
 from tandem.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 # What the fake decode worker "generates" (token ids of it, in a loop): text as a model writes it.

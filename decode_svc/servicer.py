@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem.decode_svc.generation import RequestRunner
-from tandem.decode_svc.sessions import Sessions, session_window
+from tandem.decode_svc.sessions import Sessions
 from tandem.serving.async_engine import AsyncEngine
+from tandem.serving.service import session_window
 from tandem.serving.worker import worker_info
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 

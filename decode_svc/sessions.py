@@ -28,7 +28,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -40,24 +40,6 @@ from tandem.serving.service import SESSION_HEARTBEAT_S
 from tandem.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
-
-# The gateway's metadata key for a session's window (messages it may leave unacknowledged), and the largest taken.
-SESSION_WINDOW_KEY = "x-tandem-session-window"
-MAX_SESSION_WINDOW = 64
-
-
-def session_window(metadata: Iterable[tuple[str, str | bytes]] | None) -> int:
-    """The window a gateway asked for in its session's metadata; 0 (none: send as fast as the transport takes it)
-    when it asked for none or for something that is not a count."""
-    for key, value in metadata or ():
-        if key == SESSION_WINDOW_KEY:
-            try:
-                window = int(value)
-            except ValueError:
-                return 0
-            return min(max(window, 0), MAX_SESSION_WINDOW)
-    return 0
-
 
 @dataclass(eq=False)  # hashed by identity: the servicer keeps a set of its sessions
 class _Session:

@@ -42,6 +42,7 @@ import grpc
 from tandem.common.config import env_number
 from tandem.serving.auth import TokenChannel
 from tandem.serving.rpc import _KEEPALIVE_TIME_MS, _KEEPALIVE_TIMEOUT_MS, DEFAULT_MAX_MESSAGE_BYTES, TlsConfig
+from tandem.serving.service import SESSION_WINDOW_KEY
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -56,14 +57,9 @@ SESSION_WINDOW_BYTES = 8192
 # experiment's A/B switch, and a way back).
 SESSION_COLUMNS = env_number("TANDEM_SESSION_COLUMNS", 1, int) != 0
 # Messages of a session the decode worker may send before the gateway has acknowledged reading them (0: no acks, the
-# transport's window alone). `TANDEM_SESSION_ACK_WINDOW` sets it for an A/B.
-# Measured on the gateway alone (2-core CPU VM, `stack_overhead --fake-decode-step-ms 1|4 --num-requests 256
-# --output-len fixed:256 --gateway-workers 1 --repeat 3`, two interleaved invocations each; benchmarks/results/
-# cpu-2026-12-04): at 1 ms steps 17.7 / 23.3 µs of CPU per token with 1, 23.5 / 26.4 with 2, 30.4 / 31.1 with none; at
-# 4 ms steps 36.9 / 34.5, 40.4 / 36.8 and 41.7 / 37.7; at 10 ms steps (not saturated) no difference. Off by default
-# until measured on a GPU stack: each ack costs the decode worker's event loop a gRPC read (65-77 µs of CPU on that
-# VM), about one per step per gateway process while the gateways keep up, in the process whose GIL paces a fast
-# model's steps.
+# transport's window alone); `TANDEM_SESSION_ACK_WINDOW` sets it. Off by default until measured on a GPU stack: it
+# cut the gateway's CPU per token alone on the CPU VM (18.5 against 30.4 µs with 1), but each ack costs the decode
+# worker's event loop a gRPC read (docs/architecture.md, "The gateway–decode session").
 SESSION_ACK_WINDOW = env_number("TANDEM_SESSION_ACK_WINDOW", 0, int)
 _ACK = object()  # in the outbox: send an ack of the messages read since the last one
 
@@ -259,7 +255,7 @@ class DecodeSession:
         self._last_heard = loop.time()
         self._stalled: SessionEnded | None = None
         self._num_unacked = 0  # messages read and not acknowledged yet (an `_ACK` is in the outbox when > 0)
-        metadata = (("x-tandem-session-window", str(SESSION_ACK_WINDOW)),) if SESSION_ACK_WINDOW > 0 else None
+        metadata = ((SESSION_WINDOW_KEY, str(SESSION_ACK_WINDOW)),) if SESSION_ACK_WINDOW > 0 else None
         self._call = worker_pb2_grpc.DecodeStub(channel).Session(self._outgoing(), metadata=metadata)
         self._reader = loop.create_task(self._read())
         self._watchdog = loop.create_task(self._watch(stall_timeout_s)) if stall_timeout_s else None

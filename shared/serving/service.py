@@ -8,7 +8,7 @@ import gc
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -26,6 +26,23 @@ log = logging.getLogger(__name__)
 # nothing for this long, so that the gateway can tell a worker that is waiting (a long prefill, say) from one
 # that is frozen (stopped, or its event loop stuck): see `GatewayLimits.decode_stall_timeout_s`.
 SESSION_HEARTBEAT_S = 0.5
+# A gateway that opens a `Decode.Session` with this metadata (a count of messages) acknowledges each message it reads
+# (`SessionAck`), and the worker keeps at most that many unacknowledged; at most MAX_SESSION_WINDOW is taken.
+SESSION_WINDOW_KEY = "x-tandem-session-window"
+MAX_SESSION_WINDOW = 64
+
+
+def session_window(metadata: Iterable[tuple[str, str | bytes]] | None) -> int:
+    """The window a gateway asked for in its session's metadata; 0 (none: send as fast as the transport takes it)
+    when it asked for none or for something that is not a count."""
+    for key, value in metadata or ():
+        if key == SESSION_WINDOW_KEY:
+            try:
+                window = int(value)
+            except ValueError:
+                return 0
+            return min(max(window, 0), MAX_SESSION_WINDOW)
+    return 0
 
 
 @dataclass(frozen=True)

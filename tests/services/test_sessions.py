@@ -12,9 +12,10 @@ import grpc
 import pytest
 
 from tandem.decode_svc.servicer import DecodeServicer
-from tandem.decode_svc.sessions import MAX_SESSION_WINDOW, _Session, session_window
+from tandem.decode_svc.sessions import _Session
 from tandem.gateway.sessions import DecodeSession, RequestUpdates, SessionEnded, Update
 from tandem.serving.rpc import make_channel
+from tandem.serving.service import MAX_SESSION_WINDOW, session_window
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tests.factories import prompts_for
 from tests.services.test_disaggregated import Worker, decode_request, reference_tokens
