@@ -26,7 +26,7 @@ from tandem.engine.sampler import SamplingTensors, sample
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.spec_decode import pad_proposals, verify_proposals
 from tandem.engine.staging import HostStaging, staging_enabled
-from tandem.engine.weights import load_weights
+from tandem.engine.weights import build_model, load_weights
 from tandem.kernels import Ops, get_ops, triton_available
 from tandem.kernels.cpu_linear import pack_linears
 from tandem.kernels.paged_decode_attention import choose_num_splits
@@ -151,12 +151,11 @@ class ModelRunner:
         self.dtype: torch.dtype = getattr(torch, config.resolved_dtype)
         self.ops = ops or select_ops(config)
         model_config = config.model
-        with torch.device(self.device):
-            self.model = LlamaForCausalLM(model_config, self.ops).to(self.dtype)
+        self.model: LlamaForCausalLM = build_model(model_config, self.ops, self.dtype, self.device)
         load_weights(self.model, model_config)  # quantizes the projections with model_config.quantization
         self.model.eval().requires_grad_(False)
         if self.device.type == "cuda":
-            # The model was built in float32, then cast: give the float32 copy's memory back to the GPU, so that the
+            # Quantization replaced the projections: give their unquantized weights back to the GPU, so that the
             # pool's budget counts what this process holds (not what its allocator kept) and peers get the rest.
             torch.cuda.empty_cache()
         if self.device.type == "cpu":

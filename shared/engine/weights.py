@@ -1,5 +1,5 @@
-"""Fill a `LlamaForCausalLM` with weights: an HF safetensors folder, or seeded random ("dummy") ones; then
-quantize its projections when the config asks for it."""
+"""Build a `LlamaForCausalLM` in its dtype on its device and fill it with weights: an HF safetensors folder, or
+seeded random ("dummy") ones; then quantize its projections when the config asks for it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from safetensors import safe_open
 from tandem.common.config import ConfigError, ModelConfig
 from tandem.engine.model import LlamaForCausalLM
 from tandem.engine.quantization import quantize_linears
+from tandem.kernels import Ops
 
 # HF name fragment → (merged parameter fragment, shard index). Shards are stacked along dim 0 in
 # this order, which is the order `LlamaAttention.split_sizes` and `silu_and_mul` expect.
@@ -30,6 +31,18 @@ def _shard_offsets(config: ModelConfig, merged: str) -> list[int]:
         return [0, q, q + kv, q + 2 * kv]
     inter = config.intermediate_size
     return [0, inter, 2 * inter]
+
+
+def build_model(config: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """The model's modules with uninitialised storage of `dtype` on `device`, for `load_weights` to fill (it covers
+    every parameter, or fails). Built on the meta device: no float32 copy and no initialiser run first (on a 2-core
+    CPU, 1B parameters took 13 s to initialise and 1.7 s to cast, for values the weights then overwrite)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, ops)
+    model = model.to(dtype).to_empty(device=device)
+    if config.tie_word_embeddings:  # `to_empty` gives every reference its own storage: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
 
 
 def load_weights(model: LlamaForCausalLM, config: ModelConfig) -> None:
