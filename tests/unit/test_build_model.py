@@ -87,3 +87,27 @@ def test_building_in_bfloat16_never_holds_a_float32_copy() -> None:
                                                   check=True).stdout.split())
     assert weight_bytes > 250e6
     assert grown < 1.75 * weight_bytes, (grown, weight_bytes)
+
+
+def test_packed_linears_hold_their_weights_once_and_compute_the_same() -> None:
+    """On the CPU the fp32 linears go through oneDNN with prepacked weights (`pack_linears`): each keeps only the
+    packed copy (its weight an empty placeholder), except a weight another module shares (the tied head: the
+    embedding table), and every output matches the plain product."""
+    from tandem.kernels.cpu_linear import onednn_linear_available, pack_linears
+
+    if not onednn_linear_available():
+        pytest.skip("needs torch with oneDNN (mkldnn)")
+    config = load_model_config("dummy:tiny")
+    model = build_model(config, get_ops("torch"), torch.float32, torch.device("cpu"))
+    load_weights(model, config)
+    linears = {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    weights = {name: m.weight.detach().clone() for name, m in linears.items()}
+    assert pack_linears(model) == len(linears)
+    x = torch.randn(3, config.hidden_size)
+    for name, linear in linears.items():
+        if name == "lm_head":  # tied: still the embedding table's tensor
+            assert linear.weight is model.model.embed_tokens.weight and linear.weight.numel() > 0
+        else:
+            assert linear.weight.numel() == 0 and linear.weight.dtype == torch.float32
+        inputs = x if linear.in_features == config.hidden_size else torch.randn(3, linear.in_features)
+        torch.testing.assert_close(linear(inputs), inputs @ weights[name].T, rtol=1e-4, atol=1e-5)
