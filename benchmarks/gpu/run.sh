@@ -53,7 +53,8 @@
 #   client   #15: the stack's rows and the gateway alone with the burst dealt to 4 vs 1 load-generator processes, ~7 min
 #   colo     #15: the 1B and 8B rows through a colocated stack vs the default disaggregated one, then the 128-token
 #            row's burst timeline from its spans both ways, ~8 min
-#   final15  #15: the warm-up step and the session's ack window (A/B) on the 1B rows, the gateway alone, 8B, ~7 min
+#   final15  #15: the warm-up step and the session's ack window (A/B) on the 1B rows, the gateway alone, 8B; the
+#            model's build (#14's start-up), ~7.5 min
 #   warm     #15: after the full-budget warm-up step: the three rows (medians of interleaved runs), the 128-token
 #            row's timeline, ~6 min
 #   local    #15/#14: the 1B rows with short prompts kept on decode (--local-prefill-max-tokens 256) vs 0, ~4 min
@@ -735,6 +736,9 @@ suite_warm() {
 # A/B on the 1B rows (medians of interleaved runs), the gateway alone both ways, the 8B row, then the 128-token row's
 # timeline. Most important first. ~7 min.
 suite_final15() {
+    # The model built in its dtype (no float32 copy first): build time and the allocator's peak per model.
+    step startup 150 $PY -m tandem.benchmarks.startup --models "$BIG,$SMALL" --dtypes bfloat16 --device "$DEVICE" \
+        --repeat 1 --out "$OUT/startup.json"
     for w in 1 0; do
         TANDEM_SESSION_ACK_WINDOW=$w stack_row "1b-128-w4-ack$w" "$SMALL" 256 128 4 --repeat "$(n 3 1)"
     done
