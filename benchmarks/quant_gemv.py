@@ -10,7 +10,9 @@ environment): `bf16` (cuBLAS, F.linear on the bf16 weight: twice the bytes), `ol
 `int8_launch_config` / W8A8 `fp8_launch_config` with its per-token activation quantization), `new` (the small-M
 kernel with `small_m_launch_config`'s defaults), `new-fma` / `new-dot` (its CUDA-core / tensor-core variant
 forced), `new-2kernel` (its split-K partials summed by a second kernel instead of the fused last-program reduce);
-with --sweep also `new-{fma,dot}-pps{1,2,4,8}` (split-K targets of 1-8 programs per SM).
+for int8 also `old-bits`, `new-bits`, `new-dot-bits` (the weight converted to float by integer ops, not I2F:
+`quant_common.int8_to_float32`); with --sweep also `new-{fma,dot}-pps{1,2,4,8}` (split-K targets of 1-8 programs
+per SM).
 
 Timing, like a decode step: one CUDA graph replays the linear over R distinct copies of the weight (R * weight
 bytes >= --stream-mb, default 512 MB, so every call reads its weight from HBM, never from the 60 MB L2), back to
@@ -45,7 +47,7 @@ KINDS = ("int8", "fp8")
 
 def make_impls(kind: str, m: int, n: int, k: int, num_sms: int, sweep: bool) -> dict[str, Callable[..., Any]]:
     """name -> fn(x, qweight, scales, w_bf16) for one case."""
-    from tandem.kernels.quant_linear import fp8_linear_triton, int8_linear_triton
+    from tandem.kernels.quant_linear import fp8_linear_triton, int8_launch_config, int8_linear_triton
     from tandem.kernels.quant_small_m import SmallMWorkspace, small_m_launch_config
 
     linear = int8_linear_triton if kind == "int8" else fp8_linear_triton
@@ -63,6 +65,11 @@ def make_impls(kind: str, m: int, n: int, k: int, num_sms: int, sweep: bool) -> 
     impls["new-fma"] = small(fma_max_m=16)
     impls["new-dot"] = small(fma_max_m=0)
     impls["new-2kernel"] = small(fused_reduce=False)
+    if kind == "int8":  # the weight converted by integer ops instead of I2F (quant_common.int8_to_float32)
+        old_bits = int8_launch_config(m, n, k, 0, num_sms, int8_bits=True)
+        impls["old-bits"] = lambda x, q, s, w: linear(x, q, s, config=old_bits)
+        impls["new-bits"] = small(int8_bits=True)
+        impls["new-dot-bits"] = small(fma_max_m=0, int8_bits=True)
     if sweep:
         for variant, fma_max_m in (("fma", 16), ("dot", 0)):
             for per_sm in (1, 2, 4, 8):

@@ -1,7 +1,10 @@
 """What the quantized GEMM kernels share (`quant_linear`'s large-M GEMMs and `quant_small_m`'s decode GEMV):
-argument checks, the SM count, and the split-K reduction kernel."""
+argument checks, the SM count, the int8 -> float conversion, and the split-K reduction kernel."""
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -42,6 +45,35 @@ def check_linear_args(op: str, x: torch.Tensor, qweight: torch.Tensor, scales: t
         if t is not None and t.device != x.device:
             raise ValueError(f"{op}: {name} is on {t.device} but x is on {x.device}")
     return group_size
+
+
+# int8 -> float32 in registers by integer ops (`int8_to_float32`) instead of the I2F conversion instruction. Hopper
+# converts 16 values per clock per SM with I2F (the CUDA guide's throughput table; fp32 FMA: 128): ~4.2 T/s on an
+# H200's 132 SMs at 1.98 GHz, below the 4.8 T/s at which HBM delivers int8 weights, so a GEMV that converts every
+# weight once can be bound by the conversion rather than the memory. Results are bitwise the same either way.
+INT8_BITS_ENV = "TANDEM_QUANT_INT8_BITS"  # 1: the integer-op conversion, 0: I2F (default: INT8_BITS_DEFAULT)
+INT8_BITS_DEFAULT = False
+
+
+@functools.lru_cache(maxsize=1)
+def int8_bits_default() -> bool:
+    """Whether int8 kernels convert by integer ops: $TANDEM_QUANT_INT8_BITS (0 / 1), else INT8_BITS_DEFAULT. Read
+    once (`int8_bits_default.cache_clear()` re-reads)."""
+    raw = os.environ.get(INT8_BITS_ENV, "").strip()
+    if not raw:
+        return INT8_BITS_DEFAULT
+    if raw not in ("0", "1"):
+        raise ValueError(f"${INT8_BITS_ENV}={raw!r} must be 0 or 1")
+    return raw == "1"
+
+
+@triton.jit
+def int8_to_float32(w):
+    """int8 -> float32, exact, with integer ops only. The byte b (as uint8) XOR 0x80 is w + 128 in [0, 255];
+    OR-ed under the exponent of 2^23 (0x4B000000) it is the float 2^23 + w + 128, and one subtraction leaves w.
+    Both steps are a single XOR with 0x4B000080 and a float add."""
+    bits = w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x4B000080
+    return bits.to(tl.float32, bitcast=True) - 8388736.0
 
 
 def num_sms(device: torch.device) -> int:

@@ -75,6 +75,8 @@ from tandem.kernels.quant_common import (
     ACTIVATION_DTYPES,
     FP8_DTYPE,
     check_linear_args,
+    int8_bits_default,
+    int8_to_float32,
     largest_pow2_divisor,
     num_sms,
     sum_splits_kernel,
@@ -232,6 +234,7 @@ def _int8_linear_kernel(
     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INT8_BITS: tl.constexpr,
 ):
     # Grid (M blocks, N blocks, K splits). Consecutive programs share an N block (its weight tile) and
     # differ in M, so at prefill a weight tile is fetched from HBM once and re-read from L2.
@@ -256,7 +259,10 @@ def _int8_linear_kernel(
         k_mask = (k + offs_k) < k_end
         x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
         # int8 -> x's dtype in registers: exact, the weight is never dequantized in memory.
-        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0).to(x.dtype)
+        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0)
+        if INT8_BITS:  # without I2F: see quant_common.INT8_BITS_ENV
+            w = int8_to_float32(w)
+        w = w.to(x.dtype)
         if GROUP_SIZE > 0:
             # BLOCK_K divides GROUP_SIZE and tiles start at multiples of BLOCK_K: one group per tile.
             s = tl.load(scales_ptr + rows_w * stride_sn + k // GROUP_SIZE)
@@ -285,9 +291,11 @@ class Int8LinearConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
+    int8_bits: bool = False  # the weight converted by integer ops, not I2F (`quant_common.int8_to_float32`)
 
 
-def int8_launch_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> Int8LinearConfig:
+def int8_launch_config(m: int, n: int, k: int, group_size: int, num_sms: int, *,
+                       int8_bits: bool = False) -> Int8LinearConfig:
     """Launch settings of `_int8_linear_kernel` for x [m, k] and a weight [n, k].
 
     Decode (m <= 64) reads every weight byte once and does ~2m flops per byte: memory-bound, so the
@@ -328,7 +336,7 @@ def int8_launch_config(m: int, n: int, k: int, group_size: int, num_sms: int) ->
     # Prefill tiles are big: one wave of them that is at least half full beats the partials' traffic.
     if programs < (num_sms if m <= 64 else num_sms // 2):
         split_k = max(1, min(triton.cdiv(2 * num_sms, programs), k // 512, 16))
-    return Int8LinearConfig(block_m, block_n, block_k, split_k, num_warps, num_stages)
+    return Int8LinearConfig(block_m, block_n, block_k, split_k, num_warps, num_stages, int8_bits)
 
 
 def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -360,8 +368,8 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     out = x.new_empty((m, n))
     if m == 0 or n == 0:
         return out
-    cfg = config if isinstance(config, Int8LinearConfig) else int8_launch_config(m, n, k, group_size,
-                                                                                 num_sms(x.device))
+    cfg = config if isinstance(config, Int8LinearConfig) else int8_launch_config(
+        m, n, k, group_size, num_sms(x.device), int8_bits=int8_bits_default())
     if cfg.split_k < 1 or (group_size and group_size % cfg.block_k):
         raise ValueError(f"int8_linear: config {cfg} invalid (split_k >= 1, block_k must divide the group size)")
     # Each split covers a whole number of K tiles, so (per group) a tile never straddles two groups.
@@ -379,7 +387,8 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         0 if is_single_split else target.stride(0), target.stride(-2),
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, IS_SINGLE_SPLIT=is_single_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=dot_precision(x.dtype), INT8_BITS=cfg.int8_bits,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not is_single_split:
         block_n = 256

@@ -11,7 +11,15 @@ from typing import NamedTuple
 import torch
 
 from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
-from tandem.kernels.quant_common import FP8_DTYPE, check_linear_args, largest_pow2_divisor, num_sms, sum_splits_kernel
+from tandem.kernels.quant_common import (
+    FP8_DTYPE,
+    check_linear_args,
+    int8_bits_default,
+    int8_to_float32,
+    largest_pow2_divisor,
+    num_sms,
+    sum_splits_kernel,
+)
 
 # Why `quant_linear`'s GEMMs reach only ~half of HBM bandwidth at decode (M = 1 .. 16), from their launch settings
 # (8B shapes, 132 SMs; `int8_launch_config` at m <= 16: 16 x 128 x 128 tiles, 4 warps, 4 stages):
@@ -122,6 +130,7 @@ class SmallMConfig(NamedTuple):
     num_warps: int
     num_stages: int
     fused_reduce: bool  # split-K partials summed by the last program of each N tile (else a second kernel)
+    int8_bits: bool = False  # int8 weights converted by integer ops, not I2F (`quant_common.int8_to_float32`)
 
 
 def small_m_k_per_split(k: int, block_k: int, split_k: int) -> int:
@@ -132,7 +141,7 @@ def small_m_k_per_split(k: int, block_k: int, split_k: int) -> int:
 
 def small_m_launch_config(m: int, n: int, k: int, group_size: int, num_sms: int, *,
                           fma_max_m: int = 1, programs_per_sm: int | None = None,
-                          fused_reduce: bool = True) -> SmallMConfig:
+                          fused_reduce: bool = True, int8_bits: bool = False) -> SmallMConfig:
     """Launch settings of `_small_m_linear_kernel` for x [m, k] (1 <= m <= 16) and a weight [n, k] of int8 or
     fp8 (the same for both: one byte per weight). A pure function of its arguments.
 
@@ -172,7 +181,7 @@ def small_m_launch_config(m: int, n: int, k: int, group_size: int, num_sms: int,
         split_k = max(1, min(triton.cdiv(target, tiles_n), k // (2 * block_k), _MAX_SPLIT_K))
     split_k = triton.cdiv(k, small_m_k_per_split(k, block_k, split_k))  # the slices actually launched
     return SmallMConfig(use_dot, block_m, block_n, block_k, split_k, num_warps, num_stages,
-                        fused_reduce and split_k > 1)
+                        fused_reduce and split_k > 1, int8_bits)
 
 
 class SmallMWorkspace:
@@ -203,8 +212,8 @@ def _small_m_linear_kernel(
     M, N, K, k_per_split, num_splits,
     stride_xm, stride_wn, stride_sn, stride_om,
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr, INT8_BITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Grid (N tiles, K slices); one M tile holds every row (M <= BLOCK_M). Rows past M / N read a valid row
     # instead (their results are never stored): no row masks in the loop. EVEN_K: every slice is whole K tiles.
@@ -235,6 +244,8 @@ def _small_m_linear_kernel(
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0)
         if W_FP8:  # read as bytes (masked lanes 0 = +0.0), reinterpreted as e4m3
             w = w.to(tl.float8e4nv, bitcast=True)
+        elif INT8_BITS:  # int8 -> fp32 without I2F (masked lanes 0 -> 0.0); the .to() below are then no-ops
+            w = int8_to_float32(w)
         if BLOCK_M == 1 and not USE_DOT:  # one activation row, [BLOCK_K]
             if EVEN_K:
                 x = tl.load(x_row_ptrs)
@@ -336,7 +347,7 @@ def small_m_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
         settings = small_m_settings()
         config = small_m_launch_config(m, n, k, group_size, num_sms(x.device), fma_max_m=settings.fma_max_m,
                                        programs_per_sm=settings.programs_per_sm,
-                                       fused_reduce=settings.fused_reduce)
+                                       fused_reduce=settings.fused_reduce, int8_bits=int8_bits_default())
     cfg = config
     if cfg.block_m < m or cfg.split_k < 1 or (cfg.use_dot and cfg.block_m < 16) \
             or (group_size and group_size % cfg.block_k):
@@ -360,7 +371,7 @@ def small_m_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
         m, n, k, k_per_split, split_k,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, IS_SINGLE_SPLIT=is_single_split, FUSED_REDUCE=fused,
-        USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, W_FP8=is_fp8,
+        USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, W_FP8=is_fp8, INT8_BITS=cfg.int8_bits and not is_fp8,
         DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -64,6 +64,8 @@
 #   rows     #15: after block tables from rows kept on the requests: GPU tests, decode step host parts, the 1B rows,
 #            py-spy with native frames on decode, ~6 min
 #   profile1024  #15: py-spy on the services during the 1B 1,024-token row; the 128-token row's spans, ~3 min
+#   int8bits #18: int8 weights converted by integer ops vs I2F: the GEMV, the decode step on both int8 paths, offline
+#            int8, ~6 min
 #   columns  #15: a step's steady tokens in columns on the session (engine thread → session message, no per-request
 #            event) vs per-request updates (TANDEM_SESSION_COLUMNS=0), interleaved: the gateway alone and the stack's
 #            1B and 8B rows, ~8 min
@@ -286,6 +288,28 @@ suite_quant_small_m() {
         --steps "$(n 50 3)" --out "$OUT/small-m-on"
     step small-m-off 120 env TANDEM_QUANT_SMALL_M=0 $Q decode-latency $DRY --model "$BIG" --variants int8,fp8 \
         --batches 1,16,64 --steps "$(n 50 3)" --out "$OUT/small-m-off"
+}
+
+# #18: int8 weights converted to float by integer ops (TANDEM_QUANT_INT8_BITS=1) instead of I2F, whose rate (16 per
+# clock per SM) is below HBM's int8 rate: bitwise-equal check, the GEMV per projection, then the decode step on both
+# int8 paths (old GEMM: TANDEM_QUANT_SMALL_M=0; small-M kernel up to 16 rows) and offline int8, each bits 0 / 1, ~6 min
+suite_int8bits() {
+    local Q="$TI $PY -m tandem.benchmarks.quant"
+    step int8bits-tests 150 $PY -m pytest -q -x --confcutdir=tests/kernels -p no:cacheprovider \
+        tests/kernels/test_quant_small_m.py
+    step int8bits-gemv 150 $TI $PY -m tandem.benchmarks.quant_gemv $DRY --out "$OUT/quant-gemv.json"
+    local small bits
+    for small in 0 16; do
+        for bits in 0 1; do
+            step "int8bits-step-sm$small-b$bits" 120 env TANDEM_QUANT_SMALL_M=$small TANDEM_QUANT_INT8_BITS=$bits \
+                $Q decode-latency $DRY --model "$BIG" --variants "$([ "$small$bits" = 00 ] && echo bf16,int8 || echo int8)" \
+                --batches 1,16,64 --steps "$(n 50 3)" --out "$OUT/step-sm$small-b$bits"
+        done
+    done
+    for bits in 0 1; do
+        step "int8bits-offline-b$bits" 150 env TANDEM_QUANT_INT8_BITS=$bits $Q offline $DRY --model "$BIG" \
+            --variants int8 --out "$OUT/offline-b$bits"
+    done
 }
 
 suite_prefix() {

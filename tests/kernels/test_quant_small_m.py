@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import tandem.kernels.quant_linear as quant_linear_module
+from tandem.kernels.quant_common import INT8_BITS_DEFAULT, INT8_BITS_ENV, int8_bits_default
 from tandem.kernels.quant_linear import (
+    Int8LinearConfig,
     QuantWeight,
     fp8_linear_ref,
     fp8_linear_torch,
@@ -270,3 +272,42 @@ def test_engine_decode_takes_the_small_m_path(small_m_env, monkeypatch: pytest.M
     assert calls == [(1, True)] * len(linears)
 
 
+
+
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize("kernel", ["small-m-fma", "small-m-dot", "large-m"])
+def test_int8_bits_conversion_matches_i2f_bitwise(kernel: str, device: torch.device) -> None:
+    # Every int8 value (-128 .. 127) in the weight, a ragged K (masked lanes load 0): the integer-op conversion
+    # gives the same outputs, bit for bit, as the conversion instruction, and both the dequantized product.
+    n, k = 9, 40
+    qweight = (torch.arange(n * k, device=device) % 256 - 128).to(torch.int8).reshape(n, k)
+    scales = torch.rand(n, device=device) + 0.5
+    m = 1 if kernel == "small-m-fma" else 3
+    x = torch.randn(m, k, device=device)
+    outs = []
+    for bits in (False, True):
+        if kernel == "large-m":
+            cfg: SmallMConfig | Int8LinearConfig = int8_launch_config(m, n, k, 0, 4, int8_bits=bits)
+        else:
+            cfg = small_m_launch_config(m, n, k, 0, 4, fma_max_m=1 if kernel == "small-m-fma" else 0,
+                                        int8_bits=bits)
+        assert cfg.int8_bits is bits
+        outs.append(int8_linear_triton(x, qweight, scales, config=cfg))
+    assert torch.equal(outs[0], outs[1])
+    exact = x.double() @ (qweight.double() * scales.double()[:, None]).T
+    torch.testing.assert_close(outs[1].double(), exact, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_bits_default_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        for raw, expected in (("", INT8_BITS_DEFAULT), ("1", True), ("0", False)):
+            monkeypatch.setenv(INT8_BITS_ENV, raw)
+            int8_bits_default.cache_clear()
+            assert int8_bits_default() is expected
+        monkeypatch.setenv(INT8_BITS_ENV, "yes")
+        int8_bits_default.cache_clear()
+        with pytest.raises(ValueError, match=INT8_BITS_ENV):
+            int8_bits_default()
+    finally:
+        monkeypatch.undo()
+        int8_bits_default.cache_clear()
