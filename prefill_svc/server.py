@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import grpc
 
-from tandem.common.config import EngineConfig
+from tandem.common.config import EngineConfig, env_number
 from tandem.prefill_svc.servicer import PrefillServicer, add_to_server
 from tandem.serving.kv_transfer import EXPORT_SWITCH_INTERVAL_S
 from tandem.serving.service import ServiceOptions, run_service
@@ -19,7 +19,9 @@ async def serve(service: ServiceOptions, config: EngineConfig, model_name: str,
                 on_started: Callable[[str, int], None] | None = None, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM (or `stop`, for a worker run inside a test); with the stack's internal token in
     `service`, every call but health checks and reflection must carry it."""
-    sys.setswitchinterval(EXPORT_SWITCH_INTERVAL_S)  # the page exporter's thread shares the GIL with the engine's
+    # The page exporter's thread and the event loop share the GIL with the engine thread, whose every op and launch
+    # releases it (benchmarks/gil_contention.py). TANDEM_PREFILL_SWITCH_INTERVAL_S: an experiment's knob.
+    sys.setswitchinterval(env_number("TANDEM_PREFILL_SWITCH_INTERVAL_S", 0.0) or EXPORT_SWITCH_INTERVAL_S)
     engine = start_engine(config, "prefill")
     servicer = PrefillServicer(engine, model_name)
     worker_id = new_worker_id("prefill")

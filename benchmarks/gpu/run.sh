@@ -66,6 +66,7 @@
 #   profile1024  #15: py-spy on the services during the 1B 1,024-token row; the 128-token row's spans, ~3 min
 #   int8bits #18: int8 weights converted by integer ops vs I2F: the GEMV, the decode step on both int8 paths, offline
 #            int8, ~6 min
+#   gil      #15/#14: a prefill step beside a busy Python thread by switch interval; the 1B rows at 50 us, ~6 min
 #   columns  #15: a step's steady tokens in columns on the session (engine thread → session message, no per-request
 #            event) vs per-request updates (TANDEM_SESSION_COLUMNS=0), interleaved: the gateway alone and the stack's
 #            1B and 8B rows, ~8 min
@@ -310,6 +311,33 @@ suite_int8bits() {
         step "int8bits-offline-b$bits" 150 env TANDEM_QUANT_INT8_BITS=$bits $Q offline $DRY --model "$BIG" \
             --variants int8 --out "$OUT/offline-b$bits"
     done
+}
+
+# 2026-12-06 (#15/#14): the GIL convoy. Every torch op and Triton launch releases the GIL; a thread waiting for it
+# takes it, and the engine thread waits up to a switch interval to get it back. A prefill step alone and beside a
+# busy Python thread at 5 / 0.5 / 0.1 / 0.05 / 0.02 ms (1B at the 128-token burst's 32 x 256, 8B at 8 x 1,024), then
+# the 1B rows with both workers' intervals at the defaults (prefill 0.5, decode 5 ms) vs 50 us, interleaved, and the
+# 128-token row's timeline at 50 us. ~6 min.
+suite_gil() {
+    step gil-1b 120 $PY -m tandem.benchmarks.gil_contention --model "$SMALL" --device "$DEVICE" --batch "$(n 32 4)" \
+        --prompt-len "$(n 256 16)" --repeat "$(n 5 2)" --out "$OUT/gil-contention-1b.json"
+    step gil-8b 150 $PY -m tandem.benchmarks.gil_contention --model "$BIG" --device "$DEVICE" --batch "$(n 8 2)" \
+        --prompt-len "$(n 1024 16)" --repeat "$(n 3 1)" --out "$OUT/gil-contention-8b.json"
+    local i
+    for i in 1 2; do
+        stack_row "1b-128-w4-default-$i" "$SMALL" 256 128 4
+        TANDEM_PREFILL_SWITCH_INTERVAL_S=0.00005 TANDEM_DECODE_SWITCH_INTERVAL_S=0.00005 \
+            stack_row "1b-128-w4-50us-$i" "$SMALL" 256 128 4
+    done
+    stack_row "1b-1024-w4-default" "$SMALL" 256 1024 4
+    TANDEM_PREFILL_SWITCH_INTERVAL_S=0.00005 TANDEM_DECODE_SWITCH_INTERVAL_S=0.00005 \
+        stack_row "1b-1024-w4-50us" "$SMALL" 256 1024 4
+    OTEL_TRACES_EXPORTER=console TANDEM_PREFILL_SWITCH_INTERVAL_S=0.00005 TANDEM_DECODE_SWITCH_INTERVAL_S=0.00005 \
+        stack_row "1b-128-w4-50us-spans" "$SMALL" 256 128 4
+    local logs
+    logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
+    step "timeline-1b-128-50us" 60 $PY -m tandem.benchmarks.span_phases "$logs" --burst "$(n 256 8)" \
+        --out "$OUT/timeline-1b-128-50us.json"
 }
 
 suite_prefix() {
