@@ -113,10 +113,11 @@ def main() -> None:
                 busy[interval].append(step_once(engine, prompts, "busy"))
                 rates[interval].append((thread.count - count) / (time.perf_counter() - start))
     sys.setswitchinterval(0.005)
-    rows = [{"switch_interval_s": v, "alone_s": statistics.median(alone[v]), "busy_s": statistics.median(busy[v]),
-             "busy_over_alone": statistics.median(busy[v]) / statistics.median(alone[v]),
-             "busy_thread_per_s": statistics.median(rates[v]), "all_alone_s": alone[v], "all_busy_s": busy[v]}
-            for v in intervals]
+    rows: list[dict[str, Any]] = [
+        {"switch_interval_s": v, "alone_s": statistics.median(alone[v]), "busy_s": statistics.median(busy[v]),
+         "busy_over_alone": statistics.median(busy[v]) / statistics.median(alone[v]),
+         "busy_thread_per_s": statistics.median(rates[v]), "all_alone_s": alone[v], "all_busy_s": busy[v]}
+        for v in intervals]
     report = {"benchmark": "gil_contention", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(sys.argv), "model": args.model, "device": args.device,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "",
