@@ -33,6 +33,7 @@ from typing import Any, Protocol, TypeVar
 from tandem.common.errors import UnavailableError
 from tandem.engine.engine import Engine, StepResult
 from tandem.engine.request import Request
+from tandem.serving.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -173,8 +174,10 @@ class RequestStream:
 class AsyncEngine:
     """Owns the engine thread. Create inside a running event loop; `close()` stops the thread."""
 
-    def __init__(self, engine: Engine, name: str = "engine") -> None:
+    def __init__(self, engine: Engine, name: str = "engine", profiler: StepProfiler | None = None) -> None:
         self.engine = engine
+        # Steps to run under torch.profiler (`TANDEM_PROFILE_STEPS`), written when its range ends or at close.
+        self.profiler = profiler
         # (command, may it run while a launched step computes); appended by any thread, popped by the engine thread.
         self._commands: collections.deque[tuple[Callable[[], None], bool]] = collections.deque()
         self._streams: dict[str, RequestStream] = {}
@@ -369,14 +372,21 @@ class AsyncEngine:
             if not self.engine.has_unfinished():
                 self._wake.wait(timeout=0.5)
                 continue
+            profiler = self.profiler
+            if profiler is not None:
+                profiler.before_step()
             start = time.perf_counter()
             try:
                 result = self.engine.step()
             except Exception as exc:  # a failed step must not strand the requests waiting on it
                 log.exception("engine step failed; failing the requests in flight")
+                if profiler is not None:
+                    profiler.after_step(time.perf_counter() - start, 0, 0)
                 self._fail_all(exc)
                 continue
             seconds = time.perf_counter() - start
+            if profiler is not None:
+                profiler.after_step(seconds, sum(result.num_new_tokens), len(result.requests))
             # The hook runs before the tokens go out, so it still sees every request of the step open
             # (a prefill stream ends, and forgets its request, as soon as it has the first token).
             if self.on_step is not None:
@@ -386,6 +396,8 @@ class AsyncEngine:
                 # Nothing could run (every waiting request needs blocks that receiving requests hold): wait for a
                 # command (pages, an activation, an abort) instead of spinning.
                 self._wake.wait(timeout=0.05)
+        if self.profiler is not None:
+            self.profiler.close()  # a worker stopped inside the profiled range keeps what it saw
 
 
     def _fail_all(self, error: Exception) -> None:

@@ -16,6 +16,7 @@ from tandem.engine.spec_decode import SpeculativeConfig
 from tandem.serving import metrics
 from tandem.serving.async_engine import AsyncEngine
 from tandem.serving.kv_ipc import gpu_uuid, transports_of
+from tandem.serving.profiling import StepProfiler
 from tandem.serving.registry import CACHE_VIEW_INTERVAL_S, MAX_SUMMARY_BLOCKS, CacheSummary, WorkerRecord
 from tandem.serving.wire import layout_to_proto
 from tandem.v1 import worker_pb2
@@ -25,12 +26,13 @@ def start_engine(config: EngineConfig, role: str, speculative: SpeculativeConfig
     """The worker's engine, warmed up (kernels compiled before the worker reports healthy), on its own thread; its
     pool and queue read by `/metrics` at scrape time. A Triton compile after warm-up is logged and counted
     (`tandem_triton_compiles_total{phase="serving"}`): a request waited for it."""
+    profiler = StepProfiler.from_env(role)  # a bad TANDEM_PROFILE_STEPS fails before the warm-up, not after
     watch = CompileWatch(lambda kernel: metrics.TRITON_COMPILES.labels("serving").inc())
     core = Engine(config, speculative=speculative)
     core.warm_up()
     metrics.TRITON_COMPILES.labels("startup").inc(watch.num_startup)
     watch.serving()
-    engine = AsyncEngine(core, name=f"{role}-engine")
+    engine = AsyncEngine(core, name=f"{role}-engine", profiler=profiler)
     pool = core.block_pool
     metrics.track_pool(lambda: pool.num_blocks, lambda: pool.num_free_blocks, lambda: core.scheduler.num_queued,
                        lambda: pool.num_cached_blocks,
