@@ -67,6 +67,8 @@
 #   int8bits #18: int8 weights converted by integer ops vs I2F: the GEMV, the decode step on both int8 paths, offline
 #            int8, ~6 min
 #   gil      #15/#14: a prefill step beside a busy Python thread by switch interval; the 1B rows at 50 us, ~6 min
+#   prof15   #15: the 1B 128-token row with both workers' engine steps under torch.profiler (TANDEM_PROFILE_STEPS)
+#            and every span printed: per-step GPU share (profile_steps), the burst's timeline, ~3 min
 #   columns  #15: a step's steady tokens in columns on the session (engine thread → session message, no per-request
 #            event) vs per-request updates (TANDEM_SESSION_COLUMNS=0), interleaved: the gateway alone and the stack's
 #            1B and 8B rows, ~8 min
@@ -338,6 +340,19 @@ suite_gil() {
     logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
     step "timeline-1b-128-50us" 60 $PY -m tandem.benchmarks.span_phases "$logs" --burst "$(n 256 8)" \
         --out "$OUT/timeline-1b-128-50us.json"
+}
+
+suite_prof15() {
+    # Wide ranges: the stack's 8-request warm-up burst comes first (~130 decode steps), then the measured burst.
+    local dir=$OUT/profiles
+    KEEP_LOGS=1 OTEL_TRACES_EXPORTER=console TANDEM_PROFILE_DIR="$dir" \
+        TANDEM_PROFILE_STEPS="prefill:1-$(n 40 6),decode:1-$(n 450 40)" stack_row "1b-128-profiled" "$SMALL" 256 128 4
+    local logs
+    logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
+    step "timeline-1b-128-profiled" 60 $PY -m tandem.benchmarks.span_phases "$logs" --burst "$(n 256 8)" \
+        --out "$OUT/timeline-1b-128-profiled.json"
+    step "profile-steps" 120 $PY -m tandem.benchmarks.profile_steps "$dir" --slowest 15 --out "$OUT/profile-steps.json"
+    stack_row "1b-128-unprofiled" "$SMALL" 256 128 4
 }
 
 suite_prefix() {

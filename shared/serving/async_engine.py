@@ -370,6 +370,8 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             if not self.engine.has_unfinished():
+                if self.profiler is not None:
+                    self.profiler.idle()
                 self._wake.wait(timeout=0.5)
                 continue
             profiler = self.profiler
