@@ -50,6 +50,7 @@ from tandem.common.debug import dump_stacks_on_sigusr1
 from tandem.gateway.workers import default_num_workers
 from tandem.launcher import Stack, StackOptions, free_port, is_serving
 from tandem.models import load_model_config, load_tokenizer
+from tandem.serving.profiling import IDLE_GAP_S
 from tandem.serving.rpc import start_server
 from tandem.serving.service import session_window
 from tandem.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
@@ -357,6 +358,9 @@ def main() -> None:
         llm.engine.warm_up()  # as a worker's engine is warmed before it reports healthy (kernels, the largest step)
         run_engine(llm, requests[:8])  # warm-up (graphs, allocator, oneDNN packing)
         run_stack(stack, f"127.0.0.1:{port}", argparse.Namespace(**{**vars(args), "num_requests": 8}))
+        # The workers idle past a busy period's end, so the warm-up is period 1 of a worker's profiled steps and the
+        # first measured burst period 2, however fast the engine's run in between (TANDEM_PROFILE_STEPS=...@2).
+        time.sleep(IDLE_GAP_S * 1.5)
         for i in range(args.repeat):
             engine_runs.append(run_engine(llm, requests))
             stack_runs.append(run_stack(stack, f"127.0.0.1:{port}", args))

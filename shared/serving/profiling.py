@@ -13,6 +13,7 @@ below its wall time waited on the host). `python -m tandem.benchmarks.profile_st
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -24,6 +25,8 @@ import torch
 
 from tandem.common.config import ConfigError
 from tandem.common.paths import tandem_home
+
+log = logging.getLogger(__name__)
 
 PROFILE_STEPS_ENV = "TANDEM_PROFILE_STEPS"
 PROFILE_DIR_ENV = "TANDEM_PROFILE_DIR"
@@ -112,6 +115,8 @@ class StepProfiler:
         if now - self._last_end > self.idle_gap_s:
             self.num_periods += 1
             self.num_steps = 0
+            log.info("%s engine: busy period %d begins (profiling steps %d-%d of period %d)", self.role,
+                     self.num_periods, self.first, self.last, self.period)
         self.num_steps += 1
         if self.num_periods != self.period:
             return
@@ -158,3 +163,4 @@ class StepProfiler:
         Path(f"{stem}.steps.json").write_text(json.dumps(
             {"role": self.role, "pid": os.getpid(), "first": self.first, "last": self.last, "period": self.period,
              "steps": self.steps}, indent=1) + "\n")
+        log.info("%s engine: %d profiled steps written to %s.*", self.role, len(self.steps), stem)
