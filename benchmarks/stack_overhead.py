@@ -58,6 +58,8 @@ from tandem.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 # What the fake decode worker "generates" (token ids of it, in a loop): text as a model writes it.
 # The fraction of the GPU the stack's workers and the offline engine beside them take together.
 GPU_SHARE = 0.88
+# The warm-up burst's seed, this far from `--seed` (run i uses --seed + i).
+WARM_UP_SEED_OFFSET = 10_000
 
 _FAKE_TEXT = ("Disaggregated serving splits prompt processing and generation into pools that scale on their own. "
               "The gateway tokenizes, routes and streams text back to clients — «quickly», even with accents, "
@@ -125,14 +127,14 @@ def client_load(result: dict[str, Any]) -> str:
             + ("; WARNING: near a core per process, it may be the limit (--client-processes)" if bound else ""))
 
 
-def run_stack(stack: Stack, address: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One burst through the stack; with each service's CPU microseconds per output token (its event-loop
-    threads, and its processes: all of a gateway's), which say which service would fall behind a faster engine
-    first."""
+def run_stack(stack: Stack, address: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """One burst through the stack (the workload of `seed`); with each service's CPU microseconds per output token
+    (its event-loop threads, and its processes: all of a gateway's), which say which service would fall behind a
+    faster engine first."""
     trees = {s.role: process_tree(s.process.pid) for s in stack.services if s.process is not None}
     before = {role: {pid: cpu_seconds(pid) for pid in pids} for role, pids in trees.items()}
     result = asyncio.run(run_rate(address, float("inf"), args.num_requests, LengthDist.parse(args.prompt_len),
-                                  LengthDist.parse(args.output_len), args.seed, timeout=args.timeout,
+                                  LengthDist.parse(args.output_len), seed, timeout=args.timeout,
                                   processes=args.client_processes))
     after = {role: {pid: cpu_seconds(pid) for pid in pids} for role, pids in trees.items()}
     result.pop("records")
@@ -316,7 +318,9 @@ def main() -> None:
                         help="load-generator processes the burst's requests are dealt to (one Python process receives "
                              "a few tens of thousands of messages a second at most); default one per 4 CPUs between "
                              f"1 and 4 (here: {default_client_processes()})")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="run i's prompts come from seed + i (the engine's and the stack's alike), the warm-up's "
+                             f"from seed + {WARM_UP_SEED_OFFSET}")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--repeat", type=int, default=1, help="interleaved runs of each; medians reported")
     parser.add_argument("--label", default="", help="what this run measures (e.g. the commit or variant)")
@@ -329,8 +333,9 @@ def main() -> None:
         gateway_only(args)
         return
 
-    requests = list(workload(args.num_requests, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len),
-                             args.seed))
+    def requests_of(seed: int, num_requests: int = args.num_requests) -> list[tuple[list[int], int]]:
+        return list(workload(num_requests, LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len), seed))
+
     port = free_port("127.0.0.1")
     gateway_workers = args.gateway_workers or default_num_workers()
     options = StackOptions(model=args.model, device=args.device, gateway_port=port,
@@ -356,14 +361,17 @@ def main() -> None:
         llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   gpu_memory_fraction=engine_fraction)
         llm.engine.warm_up()  # as a worker's engine is warmed before it reports healthy (kernels, the largest step)
-        run_engine(llm, requests[:8])  # warm-up (graphs, allocator, oneDNN packing)
-        run_stack(stack, f"127.0.0.1:{port}", argparse.Namespace(**{**vars(args), "num_requests": 8}))
+        # Every burst has prompts of its own (a seed each; the engine and the stack the same ones per run): a burst
+        # that repeated earlier prompts would find them in the prefix caches and measure a different workload.
+        warm_up_seed = args.seed + WARM_UP_SEED_OFFSET
+        run_engine(llm, requests_of(warm_up_seed, 8))  # warm-up (graphs, allocator, oneDNN packing)
+        run_stack(stack, f"127.0.0.1:{port}", argparse.Namespace(**{**vars(args), "num_requests": 8}), warm_up_seed)
         # The workers idle past a busy period's end, so the warm-up is period 1 of a worker's profiled steps and the
         # first measured burst period 2, however fast the engine's run in between (TANDEM_PROFILE_STEPS=...@2).
         time.sleep(IDLE_GAP_S * 1.5)
         for i in range(args.repeat):
-            engine_runs.append(run_engine(llm, requests))
-            stack_runs.append(run_stack(stack, f"127.0.0.1:{port}", args))
+            engine_runs.append(run_engine(llm, requests_of(args.seed + i)))
+            stack_runs.append(run_stack(stack, f"127.0.0.1:{port}", args, args.seed + i))
             print(f"run {i + 1}/{args.repeat}: engine {engine_runs[-1]['output_tok_per_s']:,.0f} tok/s, "
                   f"stack {stack_runs[-1]['output_tok_per_s']:,.0f} tok/s ({client_load(stack_runs[-1])})",
                   flush=True)
