@@ -69,6 +69,7 @@
 #   gil      #15/#14: a prefill step beside a busy Python thread by switch interval; the 1B rows at 50 us, ~6 min
 #   prof15   #15: the 1B 128-token row with both workers' engine steps under torch.profiler (TANDEM_PROFILE_STEPS)
 #            and every span printed: per-step GPU share (profile_steps), the burst's timeline, ~3 min
+#   fresh15  #15: the three stack rows and the gateway alone, every burst with prompts of its own, ~4 min
 #   columns  #15: a step's steady tokens in columns on the session (engine thread → session message, no per-request
 #            event) vs per-request updates (TANDEM_SESSION_COLUMNS=0), interleaved: the gateway alone and the stack's
 #            1B and 8B rows, ~8 min
@@ -354,6 +355,18 @@ suite_prof15() {
         --out "$OUT/timeline-1b-128-profiled.json"
     step "profile-steps" 120 $PY -m tandem.benchmarks.profile_steps "$dir" --slowest 15 --out "$OUT/profile-steps.json"
     stack_row "1b-128-unprofiled" "$SMALL" 256 128 4
+}
+
+# 2026-12-06, second session (#15): the issue's three rows after stack_overhead stopped repeating prompts (the
+# warm-up's 8 came back as prefix hits computed on decode; repeats ran cached prompts): each burst fresh, medians of
+# repeats; the gateway alone. ~4 min.
+suite_fresh15() {
+    stack_row "1b-128-w4-fresh" "$SMALL" 256 128 4 --repeat "$(n 3 1)"
+    stack_row "1b-1024-w4-fresh" "$SMALL" 256 1024 4 --repeat "$(n 2 1)"
+    stack_row "8b-256-w4-fresh" "$BIG" 1024 256 4
+    step "gateway-alone-fresh" 90 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 \
+        --gateway-workers 1 --num-requests "$(n 256 8)" --output-len "fixed:$(n 256 8)" --repeat "$(n 3 1)" \
+        --out "$OUT/gateway-alone-w1-fresh.json"
 }
 
 suite_prefix() {
