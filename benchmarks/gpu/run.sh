@@ -70,6 +70,7 @@
 #   prof15   #15: the 1B 128-token row with both workers' engine steps under torch.profiler (TANDEM_PROFILE_STEPS)
 #            and every span printed: per-step GPU share (profile_steps), the burst's timeline, ~3 min
 #   fresh15  #15: the three stack rows and the gateway alone, every burst with prompts of its own, ~4 min
+#   ack15    #15: the session's ack window 1 against 0 on the fresh 1B rows, ~5 min
 #   columns  #15: a step's steady tokens in columns on the session (engine thread → session message, no per-request
 #            event) vs per-request updates (TANDEM_SESSION_COLUMNS=0), interleaved: the gateway alone and the stack's
 #            1B and 8B rows, ~8 min
@@ -367,6 +368,15 @@ suite_fresh15() {
     step "gateway-alone-fresh" 90 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 \
         --gateway-workers 1 --num-requests "$(n 256 8)" --output-len "fixed:$(n 256 8)" --repeat "$(n 3 1)" \
         --out "$OUT/gateway-alone-w1-fresh.json"
+}
+
+# The session's ack window (TANDEM_SESSION_ACK_WINDOW) 1 against 0 on the fresh 1B rows, interleaved. ~5 min.
+suite_ack15() {
+    local w
+    for w in 1 0; do
+        TANDEM_SESSION_ACK_WINDOW=$w stack_row "1b-128-w4-fresh-ack$w" "$SMALL" 256 128 4 --repeat "$(n 3 1)"
+        TANDEM_SESSION_ACK_WINDOW=$w stack_row "1b-1024-w4-fresh-ack$w" "$SMALL" 256 1024 4 --repeat "$(n 2 1)"
+    done
 }
 
 suite_prefix() {
