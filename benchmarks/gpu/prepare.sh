@@ -18,7 +18,7 @@ for name in redis opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otl
             opentelemetry-exporter-otlp-proto-http opentelemetry-exporter-otlp-proto-common opentelemetry-proto \
             opentelemetry-semantic-conventions opentelemetry-exporter-http-transport opentelemetry-exporter-otlp-common \
             googleapis-common-protos importlib-metadata fastapi starlette uvicorn pydantic pydantic-core \
-            annotated-types typing-inspection sniffio pytest-asyncio; do
+            annotated-types typing-inspection sniffio pytest-asyncio isal; do
     v=$(version "$name")
     if [ -n "$v" ]; then PINNED="$PINNED $name==$v"; fi  # not installed here: not needed by this Python either
 done
