@@ -42,6 +42,14 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _KEEPALIVE_TIME_MS = 20_000
 _KEEPALIVE_TIMEOUT_MS = 10_000
 _MIN_PING_INTERVAL_MS = 10_000
+# gRPC core queues each new call until the server's loop asks for it, and refuses calls past a backlog (with
+# random early drop from the soft limit, all past the hard one; defaults 1,000 and 3,000): the caller gets CANCELLED
+# before any handler saw the call, so no limit of ours could answer it. grpc.aio takes calls one at a time from
+# its event loop, so a burst (2,048 streams at once through one gateway connection on the 2-core VM) left ~230
+# CANCELLED. The backlog may hold this many calls per stream a connection may open; the services' own bounds
+# (the gateway's concurrency slots, decode's queue) then answer what they cannot take with RESOURCE_EXHAUSTED.
+_PENDING_CALLS_PER_STREAM = 8
+_MIN_PENDING_CALLS = 1000
 
 # The one table from tandem errors to gRPC status codes; the first matching class wins.
 _STATUS_OF_ERROR: tuple[tuple[type[TandemError], grpc.StatusCode], ...] = (
@@ -179,10 +187,13 @@ _HANDLER_FACTORIES: dict[str, Callable[..., grpc.RpcMethodHandler]] = {
 
 
 def _server_options(max_message_bytes: int, max_concurrent_streams: int) -> list[tuple[str, int]]:
+    pending = max(_MIN_PENDING_CALLS, _PENDING_CALLS_PER_STREAM * max_concurrent_streams)
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_concurrent_streams", max_concurrent_streams),
+        ("grpc.server.max_pending_requests", pending),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * pending),
         ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
