@@ -12,10 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.common.config import KVLayout
 from tandem.serving.kv_transfer import (
     PageExporter,
     PagesView,
     WirePages,
+    messages_to_pages,
     pages_to_messages,
     pages_to_wire,
     parse_prefill_response,
@@ -65,19 +67,48 @@ def _as_message(view: PagesView) -> worker_pb2.KVPages:
 
 @settings(max_examples=60, deadline=None)
 @given(num_blocks=st.integers(1, 9), layer=st.integers(0, 300), first_block=st.integers(0, 70_000),
-       chunk_bytes=st.sampled_from([1, 200, 1000, 1 << 20]), dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+       chunk_bytes=st.sampled_from([1, 200, 1000, 1 << 20]), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       gathered=st.booleans(), seed=st.integers(0, 2**16))
 def test_the_wire_format_reads_back_as_protobuf_s_messages(num_blocks: int, layer: int, first_block: int,
-                                                           chunk_bytes: int, dtype: torch.dtype) -> None:
-    k = torch.randn(num_blocks, 4, 2, 8).to(dtype)
-    v = torch.randn(num_blocks, 4, 2, 8).to(dtype)
+                                                           chunk_bytes: int, dtype: torch.dtype, gathered: bool,
+                                                           seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_blocks, 4, 2, 8, generator=generator).to(dtype)
+    v = torch.randn(num_blocks, 4, 2, 8, generator=generator).to(dtype)
     expected = list(pages_to_messages(layer, k, v, max_chunk_bytes=chunk_bytes, first_block=first_block))
-    wire = list(pages_to_wire(layer, k, v, max_chunk_bytes=chunk_bytes, first_block=first_block))
+    if gathered:  # the pages picked out of a larger pool, in any order, as the exporter does on a CPU
+        rows = torch.randperm(num_blocks + 5, generator=generator)[:num_blocks]
+        k_pool = torch.zeros(num_blocks + 5, 4, 2, 8, dtype=dtype)
+        v_pool = torch.zeros_like(k_pool)
+        k_pool[rows], v_pool[rows] = k, v
+        wire = list(pages_to_wire(layer, k_pool, v_pool, max_chunk_bytes=chunk_bytes, first_block=first_block,
+                                  rows=rows))
+    else:
+        wire = list(pages_to_wire(layer, k, v, max_chunk_bytes=chunk_bytes, first_block=first_block))
     assert [worker_pb2.PrefillResponse.FromString(w.data) for w in wire] == [
         worker_pb2.PrefillResponse(pages=m) for m in expected]
     views = [parse_prefill_response(w.data) for w in wire]
     assert all(isinstance(view, PagesView) for view in views)
     assert [_as_message(view) for view in views] == expected  # type: ignore[arg-type]
     assert all(serialize_prefill_response(w.data) is w.data for w in wire)  # sent as they are
+
+
+def test_a_flipped_byte_anywhere_in_the_pages_fails_the_checksum() -> None:
+    layout = KVLayout("bfloat16", 4, 1, 2, 8, "test")
+    k, v = torch.randn(3, 4, 2, 8).to(torch.bfloat16), torch.randn(3, 4, 2, 8).to(torch.bfloat16)
+    (wire,) = pages_to_wire(0, k, v)
+    view = parse_prefill_response(wire.data)
+    assert isinstance(view, PagesView)
+    got_k, got_v = messages_to_pages(view, layout)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    v_at = len(wire.data) - len(view.v)  # v comes last, after its key and length (3 bytes here)
+    for at in (v_at - 3 - len(view.k), v_at - 4, len(wire.data) - 1):  # k's first byte, k's last, v's last
+        damaged = bytearray(wire.data)
+        damaged[at] ^= 0x01
+        damaged_view = parse_prefill_response(bytes(damaged))
+        assert isinstance(damaged_view, PagesView)
+        with pytest.raises(ValueError, match="CRC32"):
+            messages_to_pages(damaged_view, layout)
 
 
 def test_the_reader_takes_protobuf_s_own_encoding_and_leaves_the_rest_to_it() -> None:
