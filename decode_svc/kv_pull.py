@@ -55,6 +55,12 @@ _RELEASE_TIMEOUT_S = 5.0
 # Those transfers come from the same batch of the prefill worker as a rule (milliseconds apart), but a prompt's
 # prefill on a CPU, or on another, busier prefill worker, can take seconds.
 SHARED_PREFIX_MAX_WAIT_S = 5.0
+# Prefill calls open at once to one prefill worker; more wait here, in arrival order. A worker's server takes at most
+# `ServiceOptions.max_concurrent_streams` (256) streams per connection, and gRPC's client does not wait for a free
+# one: past it each call is refused (UNAVAILABLE, REFUSED_STREAM) and its prompt was computed here as a failed
+# transfer. Half of that leaves room for `Info` and `Release` on the same connection, and is still many batches of
+# the prefill worker's token budget (32 prompts of 256 tokens fill an 8,192-token batch).
+MAX_PULLS_PER_PEER = 128
 
 
 @dataclass
@@ -101,6 +107,7 @@ class KVPuller:
         self.is_known_peer = is_known_peer
         self.gpu_uuid = gpu_uuid(engine.engine.runner.device)
         self._peers: dict[str, PeerState] = {}
+        self._pull_slots: dict[str, asyncio.Semaphore] = {}  # by peer address: see MAX_PULLS_PER_PEER
         self._pool: ExportedPool | None = None
         # Requests whose blocks a peer may still be writing (cuda-ipc, cancelled mid-transfer).
         self.quarantined: set[str] = set()
@@ -112,6 +119,13 @@ class KVPuller:
         if self.is_known_peer is not None and not await self.is_known_peer(address):
             log.warning("%s: prefill worker %s is not in the registry; prefilling locally", request.req_id, address)
             raise FallBackLocally("unknown_prefill_worker")
+        slots = self._pull_slots.get(address)
+        if slots is None:
+            slots = self._pull_slots[address] = asyncio.Semaphore(MAX_PULLS_PER_PEER)
+        async with slots:
+            await self._pull_from(request, address, deadline)
+
+    async def _pull_from(self, request: PullRequest, address: str, deadline: float | None) -> None:
         peer = await self._peer(address)
         try:
             transport = choose_transport(self.kv_transport, self.gpu_uuid, peer.gpu_uuid, peer.kv_transports,

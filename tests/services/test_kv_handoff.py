@@ -4,7 +4,9 @@
   pages too) leaves exactly the pages a local prefill makes, in the same step that samples the first token;
 - pages travel by bytes layer by layer while the forward is still running (the exporter overlaps it);
 - a damaged page message is detected, counted, never written, and the request still ends token-exact;
-- every prompt token decode computes itself is counted with its reason, also under preemption.
+- every prompt token decode computes itself is counted with its reason, also under preemption;
+- more concurrent prompts than a prefill worker takes streams on one connection wait for a free one instead of
+  being refused (and computed on decode).
 """
 
 from __future__ import annotations
@@ -162,6 +164,31 @@ async def test_every_locally_computed_prompt_token_is_counted_with_its_reason(mo
         assert reported == preempted + sum(_local_tokens(r) - before[r] for r in ("transfer_failed",
                                                                                     "no_prefill_worker"))
         assert [tokens for tokens, _ in results] == reference_tokens(model_folder, prompts, max_tokens=30)
+    finally:
+        for worker in (prefill, decode):
+            await worker.server.stop(0)
+            worker.engine.close()
+
+
+async def test_pulls_past_the_prefill_workers_stream_limit_wait_instead_of_falling_back(
+        model_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill worker that takes 4 streams per connection, 8 prompts at once: gRPC's client refuses the calls past
+    the peer's limit (UNAVAILABLE) rather than waiting, and each refused prompt was computed on decode. Decode opens
+    at most `MAX_PULLS_PER_PEER` calls to one peer (2 here); the rest wait, and every prompt comes from the prefill
+    worker, token-exact."""
+    import tandem.decode_svc.kv_pull as kv_pull
+
+    monkeypatch.setattr(kv_pull, "MAX_PULLS_PER_PEER", 2)
+    prefill = await start_worker("prefill", engine_config(model_folder), max_concurrent_streams=4)
+    decode = await start_worker("decode", engine_config(model_folder))
+    try:
+        prompts = prompts_for(512, [9, 11, 10, 12, 9, 13, 10, 11])
+        before = _local_tokens("transfer_failed")
+        results = await asyncio.gather(*(generate(decode, decode_request(f"s{i}", p, prefill.address, max_tokens=4))
+                                         for i, p in enumerate(prompts)))
+        assert [local for _, local in results] == [0] * len(prompts)
+        assert _local_tokens("transfer_failed") == before
+        assert [tokens for tokens, _ in results] == reference_tokens(model_folder, prompts, max_tokens=4)
     finally:
         for worker in (prefill, decode):
             await worker.server.stop(0)
