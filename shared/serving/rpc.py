@@ -186,7 +186,8 @@ _HANDLER_FACTORIES: dict[str, Callable[..., grpc.RpcMethodHandler]] = {
 }
 
 
-def _server_options(max_message_bytes: int, max_concurrent_streams: int) -> list[tuple[str, int]]:
+def server_options(max_message_bytes: int, max_concurrent_streams: int) -> list[tuple[str, int]]:
+    """The channel arguments of every tandem gRPC server (`start_server`)."""
     pending = max(_MIN_PENDING_CALLS, _PENDING_CALLS_PER_STREAM * max_concurrent_streams)
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -221,7 +222,7 @@ async def start_server(
     """
     server = grpc.aio.server(
         interceptors=[*interceptors, ErrorMappingInterceptor()],
-        options=_server_options(max_message_bytes, max_concurrent_streams),
+        options=server_options(max_message_bytes, max_concurrent_streams),
     )
     service_names = list(add_servicers(server))
     health_servicer = health.aio.HealthServicer()
