@@ -9,7 +9,8 @@ written in the wire format, its serializer), then a first token. The receiver is
 (`parse_prefill_response`: views of the received bytes, `messages_to_pages`: CRC check, on the event loop) and
 the write into its own pool by `KVCache.write_blocks` on one other thread, as decode's engine thread does it
 (`engine.post`). Time runs from the call to the first token and the last write, as the `kv.transfer` span and
-the engine's queue see it ("receiver busy": the event loop's share; "writer busy": the pool writes). On a GPU
+the engine's queue see it ("receiver busy": the event loop's share; "writer busy": the pool writes; "export
+alone": the exporter making every message in this process with nothing else running). On a GPU
 (`--device cuda`) both pools live on it; on the CPU this is the transport's host cost.
 """
 
@@ -82,6 +83,20 @@ class _Sender(worker_pb2_grpc.PrefillServicer):
         # When the sender had made (and handed to gRPC) every message: the receiver splits its time by it.
         context.set_trailing_metadata((("x-sent-s", f"{time.perf_counter() - start:.6f}"),))
         yield worker_pb2.PrefillResponse(first_token=worker_pb2.FirstToken(token_id=1))
+
+
+def _export_alone(pool: torch.Tensor, num_blocks: int) -> float:
+    """Seconds for the `PageExporter` to make every message of the pool's pages (no gRPC, nothing else running):
+    the sender's own share of the transport."""
+    exporter = PageExporter(pool)
+    start = time.perf_counter()
+    layer_done = exporter.begin_step([("kv", 0, list(range(num_blocks)))], lambda _, messages: None)
+    for layer in range(pool.shape[0]):
+        layer_done(layer)
+    exporter.flush().result()
+    seconds = time.perf_counter() - start
+    exporter.close()
+    return seconds
 
 
 async def _serve(model: str, device: str) -> None:
@@ -158,13 +173,18 @@ def main() -> None:
             busy = statistics.median(r["receiver_busy_s"] for r in runs)
             written = statistics.median(r["writer_busy_s"] for r in runs)
             sent = statistics.median(r["sender_done_s"] for r in runs)
+            pool, num_blocks = pool_for(args.model, num_tokens, args.device)
+            _export_alone(pool, num_blocks)  # staging buffers, first touches
+            export = statistics.median(_export_alone(pool, num_blocks) for _ in range(args.repeat))
+            del pool
             rows.append({"tokens": num_tokens, "bytes": runs[0]["bytes"], "median_s": best,
                          "gb_per_s": runs[0]["bytes"] / best / 1e9, "runs_s": [r["seconds"] for r in runs],
                          "receiver_busy_median_s": busy, "writer_busy_median_s": written,
-                         "sender_done_median_s": sent})
+                         "sender_done_median_s": sent, "export_alone_median_s": export})
             print(f"{num_tokens:>6} tokens  {runs[0]['bytes'] / 1e6:8.1f} MB  {best * 1e3:8.1f} ms  "
                   f"{rows[-1]['gb_per_s']:5.2f} GB/s  (sender done {sent * 1e3:.1f} ms, receiver busy "
-                  f"{busy * 1e3:.1f} ms, writer busy {written * 1e3:.1f} ms)", flush=True)
+                  f"{busy * 1e3:.1f} ms, writer busy {written * 1e3:.1f} ms; export alone {export * 1e3:.1f} ms)",
+                  flush=True)
     finally:
         sender.terminate()
         sender.wait()
