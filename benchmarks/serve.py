@@ -150,9 +150,13 @@ def default_client_processes() -> int:
 
 async def _send_all(address: str, items: list[tuple[float, list[int], int]], start: float | None, timeout: float,
                     num_channels: int, ready: Callable[[], float] | None = None) -> tuple[list[RequestRecord], float]:
-    """Send each request at `start` + its offset over `num_channels` channels; (records, end time). With `ready`,
+    """Send each request at `start` + its offset over `num_channels` connections; (records, end time). With `ready`,
     connect first and take the start time from it."""
-    channels = [grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+    # A connection each: gRPC shares one connection among channels with the same arguments unless each has its
+    # own subchannel pool, and `tandem gateway --workers N` spreads connections, not streams, over its processes.
+    # With one shared connection per load-generator process, one gateway process took all of a process's streams.
+    channels = [grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20),
+                                                            ("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(num_channels)]
     stubs = [generation_pb2_grpc.GenerationStub(c) for c in channels]
     if ready is not None:
