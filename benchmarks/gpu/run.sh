@@ -70,6 +70,7 @@
 #   prof15   #15: the 1B 128-token row with both workers' engine steps under torch.profiler (TANDEM_PROFILE_STEPS)
 #            and every span printed: per-step GPU share (profile_steps), the burst's timeline, ~3 min
 #   fresh15  #15: the three stack rows and the gateway alone, every burst with prompts of its own, ~4 min
+#   quick15  #15: the 1B rows of fresh15 only, ~2 min
 #   ack15    #15: the session's ack window 1 against 0 on the fresh 1B rows, ~5 min
 #   columns  #15: a step's steady tokens in columns on the session (engine thread → session message, no per-request
 #            event) vs per-request updates (TANDEM_SESSION_COLUMNS=0), interleaved: the gateway alone and the stack's
@@ -368,6 +369,12 @@ suite_fresh15() {
     step "gateway-alone-fresh" 90 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 \
         --gateway-workers 1 --num-requests "$(n 256 8)" --output-len "fixed:$(n 256 8)" --repeat "$(n 3 1)" \
         --out "$OUT/gateway-alone-w1-fresh.json"
+}
+
+# The least of fresh15, for a call with little device time: the 1B rows once each. ~2 min.
+suite_quick15() {
+    stack_row "1b-128-w4-fresh" "$SMALL" 256 128 4 --repeat "$(n 2 1)"
+    stack_row "1b-1024-w4-fresh" "$SMALL" 256 1024 4
 }
 
 # The session's ack window (TANDEM_SESSION_ACK_WINDOW) 1 against 0 on the fresh 1B rows, interleaved. ~5 min.
