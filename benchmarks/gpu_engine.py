@@ -19,6 +19,7 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -78,6 +79,38 @@ def engine_config(model: str, device: str, *, max_model_len: int, max_num_seqs: 
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def steady_step_times(engine: Any, num_steps: int, device: str,
+                      check: Callable[[Any], None] | None = None) -> list[float]:
+    """Seconds between the returns of `num_steps` consecutive `engine.step()` calls after one untimed call, with no
+    synchronisation in between: what a step costs while the engine runs steps back to back. With async scheduling
+    (on by default on a GPU) a call launches the next step and then waits for the one in flight, so a
+    synchronisation before each call would empty the queue and time only the host's part of a step (an 8B decode
+    step measured 0.4 ms, 9x faster than its HBM floor). `check(result)` runs on each step's result, untimed."""
+    sync(device)
+    result = engine.step()
+    if check is not None:
+        check(result)
+    times = []
+    last = time.perf_counter()
+    for _ in range(num_steps):
+        result = engine.step()
+        now = time.perf_counter()
+        times.append(now - last)
+        if check is not None:
+            check(result)
+        last = time.perf_counter()
+    sync(device)
+    return times
+
+
+def check_floor(row: dict[str, Any]) -> None:
+    """A step faster than its HBM floor is a timing error (the GPU's work was not waited for), never a result."""
+    if row["fraction_of_floor"] > 1.05:
+        raise RuntimeError(f"{row['model']} {row['variant']} batch {row['batch']}: {row['step_ms']:.3f} ms per step "
+                           f"is {row['fraction_of_floor']:.2f}x its HBM floor of {row['floor_ms']:.3f} ms: the "
+                           "timing does not wait for the GPU")
 
 
 def free_memory() -> None:
@@ -182,21 +215,20 @@ def kv_bytes_per_token(runner: ModelRunner) -> int:
 def decode_steps(engine: Any, batch: int, context: int, num_steps: int, device: str
                  ) -> tuple[list[float], list[list[int]]]:
     """Seconds of each of `num_steps` decode steps of `batch` greedy requests with random `context`-token prompts
-    (after their prefill and 3 warm-up decode steps), and each request's tokens; the requests are aborted after."""
+    (after their prefill and 3 warm-up decode steps; `steady_step_times`), and each request's tokens; the requests
+    are aborted after."""
     prompts = random_prompts(batch, context, engine.config.model.vocab_size, seed=batch)
-    params = SamplingParams(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=num_steps + 12, temperature=0.0, ignore_eos=True)
     requests = [engine.add_request(f"b{batch}-{i}", p, params) for i, p in enumerate(prompts)]
     while engine.scheduler.waiting:
         engine.step()  # prefill everything first
     for _ in range(3):
         engine.step()  # warm-up decode steps
-    times = []
-    for _ in range(num_steps):
-        sync(device)
-        start = time.perf_counter()
-        result = engine.step()  # ends with the host sync that returns the token ids
-        times.append(time.perf_counter() - start)
-        assert not result.is_prefill and len(result.requests) == batch
+
+    def check(result: Any) -> None:
+        assert not result.is_prefill and len(result.requests) == batch, "a step that was not a full decode step"
+
+    times = steady_step_times(engine, num_steps, device, check)
     for req_id in list(engine.requests):
         engine.abort(req_id)
     return times, [list(r.output_token_ids) for r in requests]
@@ -240,7 +272,7 @@ def decode_latency(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 times, outputs = decode_steps(engine, batch, context, num_steps, args.device)
                 step_s = statistics.median(times)
-                mean_ctx = context + 3 + num_steps / 2
+                mean_ctx = context + 4 + num_steps / 2
                 floor_s = (wbytes + batch * mean_ctx * kvb) / HBM_BYTES_PER_S
                 partial = args.out / f"{name}.partial.json"  # survives a timeout
                 row = {"model": model, "variant": label, "batch": batch, "context": context,
@@ -252,6 +284,7 @@ def decode_latency(args: argparse.Namespace) -> dict[str, Any]:
                     row["fusions"] = fusions_label(fusions)
                     row["same_tokens_as_first"] = tokens.setdefault((model, batch), outputs) == outputs
                 rows.append(row)
+                check_floor(row)
                 args.out.mkdir(parents=True, exist_ok=True)
                 partial.write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1))
                 print(rows[-1], flush=True)

@@ -32,11 +32,13 @@ from tqdm import tqdm
 
 from tandem.benchmarks.gpu_engine import (
     HBM_BYTES_PER_S,
+    check_floor,
     engine_config,
     environment,
     free_memory,
     kv_bytes_per_token,
     random_prompts,
+    steady_step_times,
     sync,
 )
 from tandem.common.config import EngineConfig
@@ -67,9 +69,9 @@ def streamed_weight_bytes(runner: ModelRunner) -> int:
 
 
 def decode_steps(engine: Engine, batch: int, context: int, num_steps: int, device: str) -> tuple[list[float], float]:
-    """Seconds of each of `num_steps` decode steps of `batch` requests with `context`-token prompts, and the mean
-    number of tokens in the batch's KV during them (requests that finished their prompt early in a chunked
-    prefill have decoded a few tokens more)."""
+    """Seconds of each of `num_steps` decode steps of `batch` requests with `context`-token prompts (back to back:
+    `steady_step_times`), and the mean number of tokens in the batch's KV during them (requests that finished their
+    prompt early in a chunked prefill have decoded a few tokens more)."""
     # As many tokens as the context allows: none must finish before the timed steps end.
     params = SamplingParams(max_tokens=engine.config.max_model_len - context, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, context, engine.config.model.vocab_size, seed=batch)):
@@ -80,14 +82,13 @@ def decode_steps(engine: Engine, batch: int, context: int, num_steps: int, devic
             break
     for _ in range(2):
         engine.step()  # warm-up decode steps
-    times, kv_tokens = [], []
-    for _ in range(num_steps):
-        kv_tokens.append(sum(r.num_tokens for r in engine.requests.values()))
-        sync(device)
-        start = time.perf_counter()
-        result = engine.step()  # ends with the host sync that returns the token ids
-        times.append(time.perf_counter() - start)
+    kv_tokens = []
+
+    def check(result: Any) -> None:
         assert not result.is_prefill and len(result.requests) == batch, "a step that was not a full decode step"
+        kv_tokens.append(sum(r.num_tokens for r in engine.requests.values()))
+
+    times = steady_step_times(engine, num_steps, device, check)
     for req_id in list(engine.requests):
         engine.abort(req_id)
     return times, statistics.mean(kv_tokens)
@@ -118,6 +119,7 @@ def decode_latency(args: argparse.Namespace) -> dict[str, Any]:
             args.out.mkdir(parents=True, exist_ok=True)  # survives a timeout
             (args.out / "quant-decode-latency.partial.json").write_text(json.dumps({"rows": rows}, indent=1))
             print(rows[-1], flush=True)
+            check_floor(rows[-1])
         del engine
         free_memory()
     return {"rows": rows}

@@ -66,6 +66,8 @@
 #   profile1024  #15: py-spy on the services during the 1B 1,024-token row; the 128-token row's spans, ~3 min
 #   int8bits #18: int8 weights converted by integer ops vs I2F: the GEMV, the decode step on both int8 paths, offline
 #            int8, ~6 min
+#   quant2   #18: the decode step table after the timing fix: every variant at batch 1/64/256, int8's conversion and
+#            small-M A/B, bf16 with async scheduling off, the fusions' ablation, ~5 min
 #   gil      #15/#14: a prefill step beside a busy Python thread by switch interval; the 1B rows at 50 us, ~6 min
 #   prof15   #15: the 1B 128-token row with both workers' engine steps under torch.profiler (TANDEM_PROFILE_STEPS)
 #            and every span printed: per-step GPU share (profile_steps), the burst's timeline, ~3 min
@@ -316,6 +318,29 @@ suite_int8bits() {
         step "int8bits-offline-b$bits" 150 env TANDEM_QUANT_INT8_BITS=$bits $Q offline $DRY --model "$BIG" \
             --variants int8 --out "$OUT/offline-b$bits"
     done
+}
+
+# 2026-12-06, third session (#18): the decode step table again after the timing fix (`steady_step_times`: with async
+# scheduling a synchronisation before each step timed the host's part only, 0.4 ms for an 8B step). Every variant at
+# batch 1 / 64 / 256; int8 with integer-op conversion (INT8_BITS) and the small-M kernel, A/B; bf16 with async
+# scheduling off (the earlier tables' conditions); the fusions' ablation. ~5 min.
+suite_quant2() {
+    local Q="$TI $PY -m tandem.benchmarks.quant"
+    step quant2-step 200 $Q decode-latency $DRY --model "$BIG" --variants bf16,int8,fp8,fp8+fp8kv \
+        --batches "$(n 1,64,256 1,4)" --steps "$(n 50 3)" --out "$OUT/quant2-step"
+    step quant2-step-sync 90 env TANDEM_ASYNC_SCHEDULING=0 $Q decode-latency $DRY --model "$BIG" --variants bf16 \
+        --batches "$(n 1,64 1,4)" --steps "$(n 50 3)" --out "$OUT/quant2-step-sync"
+    local small bits
+    for small in 0 16; do
+        for bits in 0 1; do
+            [ "$small$bits" = 00 ] && continue  # the default: in quant2-step
+            step "quant2-int8-sm$small-b$bits" 90 env TANDEM_QUANT_SMALL_M=$small TANDEM_QUANT_INT8_BITS=$bits \
+                $Q decode-latency $DRY --model "$BIG" --variants int8 --batches "$(n 1,16,64 1,4)" \
+                --steps "$(n 50 3)" --out "$OUT/quant2-int8-sm$small-b$bits"
+        done
+    done
+    step quant2-fusions 150 $TI $PY -m tandem.benchmarks.gpu_engine $DRY decode-latency --models "$BIG" \
+        --fusions none,all --batches "$(n 1,64 1,4)" --steps "$(n 50 3)" --out "$OUT/quant2-fusions"
 }
 
 # 2026-12-06 (#15/#14): the GIL convoy. Every torch op and Triton launch releases the GIL; a thread waiting for it
