@@ -38,7 +38,29 @@ from tandem.kernels import get_ops
 from tandem.kernels.ops import fusions_label, parse_fusions
 from tandem.models import load_model_config
 
-HBM_BYTES_PER_S = 4.25e12  # copy bandwidth measured on one H200 (PERFORMANCE guide)
+HBM_BYTES_PER_S = 4.25e12  # copy bandwidth measured on one H200 (PERFORMANCE guide); the CPU's dry runs use it
+_COPY_BYTES = 2 << 30
+
+
+def hbm_bytes_per_s(device: str) -> float:
+    """The floors' bandwidth: on a GPU, measured here (the best of 10 device-to-device copies of 2 GiB, bytes read
+    plus bytes written), so that a floor is this card's (an H100 copies ~3.0 TB/s, an H200 ~4.3); else the H200's."""
+    if not device.startswith("cuda"):
+        return HBM_BYTES_PER_S
+    src = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    free_memory()
+    return 2 * _COPY_BYTES / best
 
 
 def environment() -> dict[str, Any]:
@@ -256,6 +278,7 @@ def decode_latency(args: argparse.Namespace) -> dict[str, Any]:
         if args.variants == "all":
             variants += [("triton eager", True, False, None), ("torch eager", False, False, None)]
     name = "decode-latency-fusions" if args.fusions else "decode-latency"
+    bandwidth = hbm_bytes_per_s(args.device)
     rows = []
     tokens: dict[tuple[str, int], list[list[int]]] = {}  # (model, batch) -> the first variant's tokens
     for model in models:
@@ -273,11 +296,11 @@ def decode_latency(args: argparse.Namespace) -> dict[str, Any]:
                 times, outputs = decode_steps(engine, batch, context, num_steps, args.device)
                 step_s = statistics.median(times)
                 mean_ctx = context + 4 + num_steps / 2
-                floor_s = (wbytes + batch * mean_ctx * kvb) / HBM_BYTES_PER_S
+                floor_s = (wbytes + batch * mean_ctx * kvb) / bandwidth
                 partial = args.out / f"{name}.partial.json"  # survives a timeout
                 row = {"model": model, "variant": label, "batch": batch, "context": context,
                        "step_ms": step_s * 1e3, "tok_per_s": batch / step_s, "floor_ms": floor_s * 1e3,
-                       "fraction_of_floor": floor_s / step_s,
+                       "fraction_of_floor": floor_s / step_s, "hbm_tb_per_s": bandwidth / 1e12,
                        "weight_gb": wbytes / 1e9, "kv_gb_per_step": batch * mean_ctx * kvb / 1e9}
                 if fusions is not None:
                     # The fusions change launches, not arithmetic: every set must give the first set's tokens.

@@ -31,11 +31,11 @@ import torch
 from tqdm import tqdm
 
 from tandem.benchmarks.gpu_engine import (
-    HBM_BYTES_PER_S,
     check_floor,
     engine_config,
     environment,
     free_memory,
+    hbm_bytes_per_s,
     kv_bytes_per_token,
     random_prompts,
     steady_step_times,
@@ -100,6 +100,7 @@ def decode_latency(args: argparse.Namespace) -> dict[str, Any]:
     batches = [1, 4] if args.dry_run else [int(b) for b in args.batches.split(",")]
     context = 32 if args.dry_run else args.context
     num_steps = 4 if args.dry_run else args.steps
+    bandwidth = hbm_bytes_per_s(args.device)
     rows = []
     for variant in args.variants.split(","):
         config = with_variant(engine_config(model, args.device, max_model_len=context + num_steps + 128,
@@ -110,11 +111,11 @@ def decode_latency(args: argparse.Namespace) -> dict[str, Any]:
         for batch in tqdm(batches, desc=f"{model} {variant}"):
             times, kv_tokens = decode_steps(engine, batch, context, num_steps, args.device)
             step_s = statistics.median(times)
-            floor_s = (wbytes + kv_tokens * kvb) / HBM_BYTES_PER_S
+            floor_s = (wbytes + kv_tokens * kvb) / bandwidth
             rows.append({"model": model, "variant": variant, "batch": batch, "context": context,
                          "step_ms": step_s * 1e3, "tok_per_s": batch / step_s, "floor_ms": floor_s * 1e3,
-                         "fraction_of_floor": floor_s / step_s, "weight_gb": wbytes / 1e9,
-                         "kv_gb_per_step": kv_tokens * kvb / 1e9,
+                         "fraction_of_floor": floor_s / step_s, "hbm_tb_per_s": bandwidth / 1e12,
+                         "weight_gb": wbytes / 1e9, "kv_gb_per_step": kv_tokens * kvb / 1e9,
                          "kv_blocks": engine.runner.kv_cache.num_blocks})
             args.out.mkdir(parents=True, exist_ok=True)  # survives a timeout
             (args.out / "quant-decode-latency.partial.json").write_text(json.dumps({"rows": rows}, indent=1))
