@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tandem.common.sampling_params import SamplingParams
 from tandem.engine.request import Request
-from tandem.engine.runner import ModelRunner, table_row
+from tandem.engine.runner import ModelRunner, slot_mapping, table_row
 from tests.unit.test_quantization import tiny_config
 
 
@@ -81,3 +81,16 @@ def test_decode_and_mixed_steps_build_their_tables_from_the_rows() -> None:
             requests[0].block_ids += [30]
         elif change == 2:
             requests[2].block_ids = [40, 41]  # readmitted elsewhere, same length
+
+
+@settings(max_examples=300, deadline=None)
+@given(block_size=st.sampled_from([1, 2, 16]), data=st.data())
+def test_slot_mapping_is_each_positions_slot(block_size: int, data: st.DataObject) -> None:
+    """`slot_mapping` (a range per block) gives every position its page's slot, as the per-token formula does, for
+    any span: inside one block, across blocks, starting or ending mid-block, empty."""
+    num_blocks = data.draw(st.integers(1, 12))
+    block_ids = data.draw(st.lists(st.integers(0, 10_000), min_size=num_blocks, max_size=num_blocks, unique=True))
+    start = data.draw(st.integers(0, num_blocks * block_size))
+    end = data.draw(st.integers(start, num_blocks * block_size))
+    expected = [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    assert slot_mapping(block_ids, start, end, block_size) == expected
