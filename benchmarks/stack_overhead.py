@@ -256,7 +256,8 @@ async def run_gateway_only(args: argparse.Namespace, gateway_workers: int) -> li
     process = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "gateway", "--model", args.model, "--decode", f"127.0.0.1:{decode_port}",
          "--port", str(port), "--http-port", str(free_port("127.0.0.1")), "--max-model-len", str(args.max_model_len),
-         "--workers", str(gateway_workers), "--stream-interval", str(args.stream_interval)],
+         "--workers", str(gateway_workers), "--stream-interval", str(args.stream_interval),
+         "--max-stream-interval", str(args.max_stream_interval)],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     runs: list[dict[str, Any]] = []
@@ -310,6 +311,8 @@ def main() -> None:
                              f"CPUs between 1 and 4 (here: {default_num_workers()})")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the gateway's --stream-interval (tokens per client message after the first)")
+    parser.add_argument("--max-stream-interval", type=int, default=1,
+                        help="the gateway's --max-stream-interval (the most it goes to while saturated; 1: off)")
     parser.add_argument("--prefill-workers", type=int, default=1,
                         help="prefill workers of the stack (`tandem up --prefill`); 0: colocated, decode prefills")
     parser.add_argument("--local-prefill-max-tokens", type=int, default=0,
@@ -342,6 +345,7 @@ def main() -> None:
                            gateway_http_port=free_port("127.0.0.1"), max_model_len=args.max_model_len,
                            max_num_seqs=args.max_num_seqs, threads=args.threads,
                            gateway_workers=gateway_workers, stream_interval=args.stream_interval,
+                           max_stream_interval=args.max_stream_interval,
                            local_prefill_max_tokens=args.local_prefill_max_tokens, num_prefill=args.prefill_workers)
     engine_fraction = 0.85
     if args.device.startswith("cuda"):

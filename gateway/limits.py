@@ -51,6 +51,10 @@ class GatewayLimits:
     # tokens as they come; N > 1 cuts the gateway's CPU per token (a message costs far more than a token)
     # for a burstier stream. The first tokens and the last are never held back.
     stream_interval: int = 1
+    # The most tokens per streamed message the gateway goes to while its event loop is saturated (`StreamPacer`):
+    # above `stream_interval`, a gateway process that falls behind sends fewer, larger messages and comes back
+    # to `stream_interval` once it keeps up. 1 (the default): off.
+    max_stream_interval: int = 1
     # Prompts with at most this many tokens not in the decode worker's prefix cache are prefilled by the decode
     # worker itself even when a prefill worker is up (conditional disaggregation, as NVIDIA Dynamo's
     # --max-local-prefill-length): a short prompt's chunk costs a decode step little, and it skips the prefill
@@ -59,7 +63,8 @@ class GatewayLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_messages", "max_stop_sequences", "max_stop_chars",
-                     "max_stop_token_ids", "max_sequences_per_request", "stream_interval"):
+                     "max_stop_token_ids", "max_sequences_per_request", "stream_interval",
+                     "max_stream_interval"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.local_prefill_max_tokens < 0:

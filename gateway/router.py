@@ -35,7 +35,7 @@ from tandem.gateway.kv_routing import (
 )
 from tandem.gateway.limits import GatewayLimits
 from tandem.gateway.prompts import PromptEncoder
-from tandem.gateway.sessions import DecodeSession, SessionChannels, SessionEnded
+from tandem.gateway.sessions import DecodeSession, SessionChannels, SessionEnded, StreamPacer
 from tandem.models.detokenizer import IncrementalDetokenizer
 from tandem.serving import metrics
 from tandem.serving.registry import Registry, WorkerRecord
@@ -112,6 +112,10 @@ class Router:
         # Channels for the decode sessions only (`SessionChannels`: a fixed flow-control window).
         self._channels = SessionChannels(tls, internal_token)
         self._sessions: dict[str, DecodeSession] = {}
+        # Larger client messages while this process's event loop is saturated (`--max-stream-interval`), or None.
+        limits = self.limits
+        self.pacer = (StreamPacer(limits.max_stream_interval)
+                      if limits.max_stream_interval > limits.stream_interval else None)
         self._refused: set[str] = set()  # workers of another model, logged once each
 
     # -- the limits it enforces: the workers' ----------------------------------------------------------------
@@ -277,7 +281,7 @@ class Router:
             prefill_address=prefill.address if prefill is not None else "",
             local_prefill_reason=local_reason,
             output_token_ids=progress.token_ids), timeout, dict(inject_metadata(trace.set_span_in_context(span)) or ()),
-            self.limits.stream_interval)
+            self.limits.stream_interval, self.pacer)
         ended = False
         is_first = True
         try:
@@ -325,6 +329,8 @@ class Router:
         """The session to a decode worker, opened on first use and again after it ended."""
         session = self._sessions.get(address)
         if session is None or session.closed:
+            if self.pacer is not None:
+                self.pacer.start()  # on the serving loop, once
             session = self._sessions[address] = DecodeSession(self._channels.get(address), address,
                                                               stall_timeout_s=self.limits.decode_stall_timeout_s)
         return session
@@ -389,6 +395,8 @@ class Router:
             prompt.hash(keys)
 
     async def close(self) -> None:
+        if self.pacer is not None:
+            self.pacer.stop()
         for session in self._sessions.values():
             await session.close()
         await self._channels.close()

@@ -40,6 +40,7 @@ from typing import TypeAlias
 import grpc
 
 from tandem.common.config import env_number
+from tandem.serving import metrics
 from tandem.serving.auth import TokenChannel
 from tandem.serving.rpc import _KEEPALIVE_TIME_MS, _KEEPALIVE_TIMEOUT_MS, DEFAULT_MAX_MESSAGE_BYTES, TlsConfig
 from tandem.serving.service import SESSION_WINDOW_KEY
@@ -133,16 +134,63 @@ class _Tokens:
 Update: TypeAlias = "worker_pb2.SessionUpdate | SessionEnded"
 
 
+class StreamPacer:
+    """The gateway process's stream interval under load (`--max-stream-interval`): every `TICK_S` it looks how late
+    the event loop ran a timer. Late by more than `BUSY_LAG_S` (the process is saturated: its loop turns take that
+    long) doubles the interval, up to `maximum`; late by less than `IDLE_LAG_S` halves it, down to 1. Each request's
+    updates take the larger of it and the configured `--stream-interval`, so a saturated gateway sends fewer, larger
+    client messages (a message costs several times a token) instead of falling further behind, and goes back to
+    every step's tokens once it keeps up. Measured on the 2-core CPU VM (gateway alone, 1 ms steps, 256 × 256):
+    see docs/architecture.md ("Streaming under load")."""
+
+    TICK_S = 0.02
+    BUSY_LAG_S = 0.005
+    IDLE_LAG_S = 0.001
+
+    def __init__(self, maximum: int) -> None:
+        if maximum < 1:
+            raise ValueError(f"maximum must be at least 1, got {maximum}")
+        self.maximum = maximum
+        self.interval = 1
+        self._due = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        """Start ticking on the running loop (once; later calls do nothing)."""
+        if self._timer is None:
+            self._schedule(asyncio.get_running_loop())
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._due = loop.time() + self.TICK_S
+        self._timer = loop.call_at(self._due, self._tick)
+
+    def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        lag = loop.time() - self._due
+        if lag > self.BUSY_LAG_S:
+            self.interval = min(self.interval * 2, self.maximum)
+        elif lag < self.IDLE_LAG_S:
+            self.interval = max(self.interval // 2, 1)
+        metrics.GATEWAY_STREAM_INTERVAL.set(self.interval)
+        self._schedule(loop)
+
+
 class RequestUpdates:
     """One request's updates in its session, in order. `next()` merges the token updates already waiting into
     one, so a gateway that falls behind the engine sends each client fewer, larger messages instead of falling
     further behind (a streamed gRPC message costs the gateway far more CPU than a token). With a
     `stream_interval` of N > 1 (vLLM's and SGLang's `--stream-interval`), after the first tokens (sent at once)
     the reader is woken only once N tokens have come, or the request's end or an error: one client message, and
-    one wake-up of its task, per N tokens."""
+    one wake-up of its task, per N tokens. With a `pacer`, N is the larger of the two (`StreamPacer`)."""
 
-    def __init__(self, stream_interval: int = 1, slot: int = 0) -> None:
+    def __init__(self, stream_interval: int = 1, slot: int = 0, pacer: StreamPacer | None = None) -> None:
         self.stream_interval = stream_interval
+        self.pacer = pacer
         self.slot = slot  # the request's number in its session's token columns (0: none)
         self._items: collections.deque[Update | _Tokens] = collections.deque()
         self._num_tokens = 0  # tokens in _items
@@ -158,7 +206,7 @@ class RequestUpdates:
         else:
             self._num_tokens += len(update.response.token_ids)  # type: ignore[union-attr]
         waiter = self._waiter
-        if waiter is not None and not waiter.done() and self._ready(self._wanted):
+        if waiter is not None and not waiter.done() and self._ready(self._threshold()):
             waiter.set_result(None)
 
     def put_token(self, token_id: int, logprob: float) -> None:
@@ -172,14 +220,25 @@ class RequestUpdates:
         tokens.logprobs.append(logprob)
         self._num_tokens += 1
         waiter = self._waiter
-        if waiter is not None and not waiter.done() and self._ready(self._wanted):
+        if waiter is not None and not waiter.done() and self._ready(self._threshold()):
             waiter.set_result(None)
+
+    def _threshold(self) -> int:
+        """Tokens that wake the waiting reader: what it waits for, or fewer once the pacer came down since."""
+        if self.pacer is None:
+            return self._wanted
+        return min(self._wanted, max(self.stream_interval, self.pacer.interval))
 
     def _ready(self, wanted: int) -> bool:
         return bool(self._items) and (wanted <= 1 or self._num_ends > 0 or self._num_tokens >= wanted)
 
     async def next(self) -> Update:
-        wanted = self.stream_interval if self._streamed else 1
+        if not self._streamed:
+            wanted = 1
+        elif self.pacer is None:
+            wanted = self.stream_interval
+        else:
+            wanted = max(self.stream_interval, self.pacer.interval)
         while not self._ready(wanted):
             self._wanted = wanted
             self._waiter = asyncio.get_running_loop().create_future()
@@ -187,6 +246,7 @@ class RequestUpdates:
                 await self._waiter
             finally:
                 self._waiter = None
+            wanted = self._threshold()  # fewer if the pacer came down meanwhile
         update = self._take()
         if isinstance(update, _Tokens):
             update = _as_update(update)
@@ -261,7 +321,8 @@ class DecodeSession:
         self._watchdog = loop.create_task(self._watch(stall_timeout_s)) if stall_timeout_s else None
 
     def start(self, request: worker_pb2.DecodeRequest, timeout_s: float | None,
-              trace_context: Mapping[str, str] | None = None, stream_interval: int = 1) -> RequestUpdates:
+              trace_context: Mapping[str, str] | None = None, stream_interval: int = 1,
+              pacer: StreamPacer | None = None) -> RequestUpdates:
         """Start `request` in the session; its updates (and a `SessionEnded` if the stream ends first) come
         from the returned `RequestUpdates`. Call `finish` when done with it."""
         if self.closed:
@@ -270,7 +331,7 @@ class DecodeSession:
             self._last_heard = asyncio.get_running_loop().time()
         slot = self._next_slot if SESSION_COLUMNS else 0
         self._next_slot = slot + 1 if 0 < slot < _MAX_SLOT else 1
-        updates = RequestUpdates(stream_interval, slot)
+        updates = RequestUpdates(stream_interval, slot, pacer)
         self._requests[request.request_id] = updates
         if slot:
             self._slots[slot] = updates

@@ -264,6 +264,10 @@ LimitsGroup = "Limits"
 StreamIntervalOpt = Annotated[int, typer.Option(
     min=1, help="Tokens per streamed message after the first (vLLM's --stream-interval): 1 streams every step's "
                 "tokens; larger values cut the gateway's CPU per token for a burstier stream.")]
+MaxStreamIntervalOpt = Annotated[int, typer.Option(
+    min=1, help="Tokens per streamed message a gateway process may go up to while its event loop is saturated: it "
+                "sends fewer, larger messages instead of falling behind, and comes back to --stream-interval once it "
+                "keeps up. 1: off.")]
 LocalPrefillOpt = Annotated[int, typer.Option(
     min=0, help="Prompts with at most this many tokens outside the decode worker's prefix cache are prefilled by "
                 "the decode worker itself, even with prefill workers up (conditional disaggregation); 0: never.")]
@@ -307,6 +311,7 @@ def gateway(
         rich_help_panel=LimitsGroup)] = 128,
     decode_stall_timeout: DecodeStallOpt = 10.0,
     stream_interval: StreamIntervalOpt = 1,
+    max_stream_interval: MaxStreamIntervalOpt = 1,
     local_prefill_max_tokens: LocalPrefillOpt = 0,
     workers: Annotated[int, typer.Option(
         min=0, help="Gateway processes on the same ports (SO_REUSEPORT: the kernel spreads connections among them), "
@@ -337,6 +342,7 @@ def gateway(
                                max_stop_chars=max_stop_chars, max_stop_token_ids=max_stop_token_ids,
                                max_sequences_per_request=max_sequences_per_request,
                                decode_stall_timeout_s=decode_stall_timeout, stream_interval=stream_interval,
+                               max_stream_interval=max_stream_interval,
                                local_prefill_max_tokens=local_prefill_max_tokens)
     except ConfigError as error:
         raise typer.BadParameter(str(error)) from None
@@ -448,6 +454,7 @@ def up(
         "--decode-stall-timeout", help="The gateway's --decode-stall-timeout (default: the gateway's, 10 s).",
         rich_help_panel=LimitsGroup, show_default=False)] = None,
     stream_interval: StreamIntervalOpt = 1,
+    max_stream_interval: MaxStreamIntervalOpt = 1,
     local_prefill_max_tokens: LocalPrefillOpt = 0,
     gateway_workers: Annotated[int | None, typer.Option(
         min=1, help="Gateway processes on the gateway's ports (`tandem gateway --workers`). Default: one per 4 "
@@ -476,8 +483,8 @@ def up(
                            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                            async_scheduling=async_scheduling, max_request_bytes=max_request_bytes,
                            decode_stall_timeout_s=decode_stall_timeout,
-                           stream_interval=stream_interval, local_prefill_max_tokens=local_prefill_max_tokens,
-                           gateway_workers=gateway_workers)
+                           stream_interval=stream_interval, max_stream_interval=max_stream_interval,
+                           local_prefill_max_tokens=local_prefill_max_tokens, gateway_workers=gateway_workers)
     raise typer.Exit(Stack(options).run(demo=demo, exit_after_demo=exit_after_demo))
 
 

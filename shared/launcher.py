@@ -127,6 +127,8 @@ class StackOptions:
     decode_stall_timeout_s: float | None = None
     # The gateway's --stream-interval (tokens per streamed message after the first).
     stream_interval: int = 1
+    # The gateway's --max-stream-interval (the most it goes to while saturated; 1: off).
+    max_stream_interval: int = 1
     # The gateway's --local-prefill-max-tokens (prompts this short are prefilled on decode; 0: never).
     local_prefill_max_tokens: int = 0
     # Gateway processes on the gateway's ports (`tandem gateway --workers`); None: one per 4 CPUs, between 1 and 4
@@ -291,6 +293,7 @@ class Stack:
         if o.decode_stall_timeout_s is not None:
             gateway += ["--decode-stall-timeout", str(o.decode_stall_timeout_s)]
         gateway += ["--stream-interval", str(o.stream_interval)]
+        gateway += ["--max-stream-interval", str(o.max_stream_interval)]
         gateway += ["--local-prefill-max-tokens", str(o.local_prefill_max_tokens)]
         gateway += ["--workers", str(o.gateway_workers or default_num_workers())]
         if not o.redis_url:

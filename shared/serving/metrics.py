@@ -45,6 +45,9 @@ SPEC_DRAFT_PROMPT_TOKENS = Counter("tandem_spec_decode_draft_prompt_tokens",
 TRITON_COMPILES = Counter("tandem_triton_compiles", "Triton kernel compiles, by phase (serving: a request waited "
                           "for one that start-up did not reach)", ["phase"])
 PREFILL_PROMPT_TOKENS = Counter("tandem_prefill_prompt_tokens", "Prompt tokens a prefill worker computed")
+GATEWAY_STREAM_INTERVAL = Gauge("tandem_gateway_stream_interval",
+                                "Tokens per client message the gateway's pacer asks for (1 unless saturated; "
+                                "--max-stream-interval)")
 WORKERS_REFUSED = Gauge("tandem_gateway_workers_refused",
                         "Workers the gateway refuses because they serve another model")
 BATCH_SIZE = Histogram("tandem_batch_size", "Requests per engine step",

@@ -51,9 +51,9 @@ class FakeSession:
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def start(self, request: worker_pb2.DecodeRequest, timeout_s: float | None,
-              trace_context: Any = None, stream_interval: int = 1) -> RequestUpdates:
+              trace_context: Any = None, stream_interval: int = 1, pacer: Any = None) -> RequestUpdates:
         self.started.append(request)
-        updates = RequestUpdates(stream_interval)
+        updates = RequestUpdates(stream_interval, pacer=pacer)
         self._tasks[request.request_id] = asyncio.ensure_future(self._run(request, updates))
         return updates
 

@@ -1,0 +1,92 @@
+"""The gateway's stream pacer (`--max-stream-interval`): its interval rises while the event loop is saturated and
+falls back once it keeps up, and a request's reader waits for that many tokens after its first ones (never for
+its first, its last, or an error); off unless asked for (`Router.pacer`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tandem.common.config import ConfigError
+from tandem.gateway.limits import GatewayLimits
+from tandem.gateway.sessions import RequestUpdates, StreamPacer
+from tandem.v1 import generation_pb2, worker_pb2
+
+
+def tokens(*ids: int, finish: bool = False) -> worker_pb2.SessionUpdate:
+    update = worker_pb2.SessionUpdate()
+    update.response.token_ids.extend(ids)
+    update.response.logprobs.extend([-1.0] * len(ids))
+    if finish:
+        update.response.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+    return update
+
+
+async def saturate(seconds: float, turn_s: float = 0.012) -> None:
+    """Keep the loop's turns `turn_s` long (a blocking callback each turn), as a saturated gateway's are."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        time.sleep(turn_s)
+        await asyncio.sleep(0)
+
+
+async def test_the_interval_rises_while_saturated_and_falls_back() -> None:
+    pacer = StreamPacer(maximum=8)
+    pacer.start()
+    try:
+        await asyncio.sleep(0.1)
+        assert pacer.interval == 1  # an idle loop
+        await saturate(0.4)
+        assert pacer.interval == 8  # doubled every late tick, up to the maximum
+        await asyncio.sleep(0.2)
+        assert pacer.interval == 1  # halved every punctual tick
+    finally:
+        pacer.stop()
+
+
+async def test_a_paced_reader_waits_for_the_interval_after_its_first_tokens() -> None:
+    pacer = StreamPacer(maximum=4)
+    pacer.interval = 4  # as a saturated loop left it
+    updates = RequestUpdates(stream_interval=1, pacer=pacer)
+    updates.put(tokens(1))
+    first = await updates.next()
+    assert list(first.response.token_ids) == [1]  # the first token never waits
+    reader = asyncio.ensure_future(updates.next())
+    for token in (2, 3, 4):
+        updates.put_token(token, -1.0)
+        await asyncio.sleep(0)
+        assert not reader.done()
+    updates.put_token(5, -1.0)
+    merged = await asyncio.wait_for(reader, 1.0)
+    assert list(merged.response.token_ids) == [2, 3, 4, 5]
+    # The end is never held back.
+    reader = asyncio.ensure_future(updates.next())
+    updates.put(tokens(6, finish=True))
+    last = await asyncio.wait_for(reader, 1.0)
+    assert list(last.response.token_ids) == [6] and last.response.finish_reason
+
+
+async def test_a_waiting_reader_is_woken_when_the_pacer_comes_down() -> None:
+    pacer = StreamPacer(maximum=8)
+    pacer.interval = 8
+    updates = RequestUpdates(stream_interval=1, pacer=pacer)
+    updates.put(tokens(1))
+    await updates.next()
+    reader = asyncio.ensure_future(updates.next())
+    updates.put_token(2, -1.0)
+    await asyncio.sleep(0)
+    assert not reader.done()
+    pacer.interval = 1  # the gateway caught up
+    updates.put_token(3, -1.0)
+    merged = await asyncio.wait_for(reader, 1.0)
+    assert list(merged.response.token_ids) == [2, 3]
+
+
+def test_off_by_default_and_checked() -> None:
+    assert GatewayLimits().max_stream_interval == 1
+    with pytest.raises(ConfigError, match="max_stream_interval"):
+        GatewayLimits(max_stream_interval=0)
+    with pytest.raises(ValueError, match="maximum"):
+        StreamPacer(0)
