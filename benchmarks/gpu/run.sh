@@ -68,6 +68,7 @@
 #            int8, ~6 min
 #   pacer    #15: the stream pacer (--max-stream-interval 16 vs off) on one gateway process alone and the 1B rows;
 #            #18: the 8B decode step against the card's own copy bandwidth, ~5 min
+#   pacer_min  the pacer's A/B alone (gateway alone, the 128-token row), ~2.5 min
 #   quant2   #18: the decode step table after the timing fix: every variant at batch 1/64/256, int8's conversion and
 #            small-M A/B, bf16 with async scheduling off, the fusions' ablation, ~5 min
 #   gil      #15/#14: a prefill step beside a busy Python thread by switch interval; the 1B rows at 50 us, ~6 min
@@ -340,6 +341,21 @@ suite_pacer() {
     stack_row "1b-1024-max1" "$SMALL" 256 1024 4 --repeat "$(n 2 1)"
     step pacer-step 120 $TI $PY -m tandem.benchmarks.quant decode-latency $DRY --model "$BIG" --variants bf16,int8 \
         --batches "$(n 1,64 1,4)" --steps "$(n 50 3)" --out "$OUT/pacer-step"
+}
+
+# The pacer's A/B alone, for a short lease: the gateway alone off / 16 twice, the 128-token row each way. ~2.5 min.
+suite_pacer_min() {
+    local i m
+    for i in 1 2; do
+        for m in 1 16; do
+            step "gateway-alone-max$m-$i" 60 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 \
+                --gateway-workers 1 --num-requests "$(n 256 8)" --output-len "fixed:$(n 256 8)" --repeat "$(n 3 1)" \
+                --max-stream-interval $m --out "$OUT/gateway-alone-max$m-$i.json"
+        done
+    done
+    for m in 1 16; do
+        stack_row "1b-128-max$m" "$SMALL" 256 128 4 --repeat "$(n 2 1)" --max-stream-interval $m
+    done
 }
 
 # 2026-12-06, third session (#18): the decode step table again after the timing fix (`steady_step_times`: with async
