@@ -122,13 +122,25 @@ class SessionEnded:
 
 
 class _Tokens:
-    """Steady tokens of a request that came in a message's columns (appended to while it is the last item)."""
+    """Steady tokens of a request that came in a message's columns (appended to while it is the last item). Read
+    like a `SessionUpdate` with its `DecodeResponse` (itself): no error, no finish, nothing cached, so that
+    `RequestUpdates.next()` hands a message's worth of steady tokens over as plain lists, without building a
+    protobuf message per client message."""
 
     __slots__ = ("token_ids", "logprobs")
+    error_code = 0
+    error_message = ""
+    error_type = ""
+    finish_reason = 0
+    num_cached_tokens = 0
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+
+    @property
+    def response(self) -> _Tokens:
+        return self
 
 
 Update: TypeAlias = "worker_pb2.SessionUpdate | SessionEnded"
@@ -232,7 +244,7 @@ class RequestUpdates:
     def _ready(self, wanted: int) -> bool:
         return bool(self._items) and (wanted <= 1 or self._num_ends > 0 or self._num_tokens >= wanted)
 
-    async def next(self) -> Update:
+    async def next(self) -> Update | _Tokens:
         if not self._streamed:
             wanted = 1
         elif self.pacer is None:
@@ -249,6 +261,9 @@ class RequestUpdates:
             wanted = self._threshold()  # fewer if the pacer came down meanwhile
         update = self._take()
         if isinstance(update, _Tokens):
+            if not self._items:  # the steady case: only column tokens came since the last message
+                self._streamed = True
+                return update
             update = _as_update(update)
         if _is_last(update):
             return update

@@ -145,3 +145,27 @@ async def test_column_tokens_wake_a_reader_at_the_stream_interval() -> None:
     assert not reader.done()  # two of the three tokens
     updates.put_token(4, 0.0)
     assert list((await reader).response.token_ids) == [2, 3, 4]  # type: ignore[union-attr]
+
+
+async def test_steady_column_tokens_are_read_without_a_protobuf_message() -> None:
+    """Only column tokens since the last read: `next()` hands them over as they were gathered (plain lists, read
+    like an update with no error, finish or cached tokens); an update behind them still merges into one message."""
+    updates = RequestUpdates(slot=3)
+    first = worker_pb2.SessionUpdate(request_id="r")
+    first.response.token_ids.append(7)
+    updates.put(first)
+    assert list((await updates.next()).response.token_ids) == [7]
+    for token in (8, 9):
+        updates.put_token(token, -0.5)
+    steady = await updates.next()
+    assert not isinstance(steady, worker_pb2.SessionUpdate)
+    assert steady.response.token_ids == [8, 9] and steady.response.logprobs == [-0.5, -0.5]
+    assert not steady.error_code and not steady.response.finish_reason and not steady.response.num_cached_tokens
+    updates.put_token(10, -0.5)
+    last = worker_pb2.SessionUpdate(request_id="r")
+    last.response.token_ids.append(11)
+    last.response.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+    updates.put(last)
+    merged = await updates.next()
+    assert isinstance(merged, worker_pb2.SessionUpdate)
+    assert list(merged.response.token_ids) == [10, 11] and merged.response.finish_reason
