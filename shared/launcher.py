@@ -343,7 +343,8 @@ class Stack:
                                                stdin=subprocess.DEVNULL)
 
     def start(self) -> None:
-        """Workers first, then the gateway, so its first look at the registry finds them up."""
+        """Workers first, then the gateway, so its first look at the registry finds them up. On failure, whatever
+        it started is stopped before the error goes on."""
         from tqdm import tqdm
 
         # Fetch (and convert) a preset once here, with a progress bar, rather than in every process at once.
@@ -351,15 +352,21 @@ class Stack:
 
         load_model_config(self.options.model)
         self._plan()
-        if self.mps is not None:
-            self.mps.start()
-        gateway, workers = self.services[0], self.services[1:]
-        with tqdm(total=len(self.services), desc="starting services", unit="svc", file=sys.stderr) as bar:
-            for service in workers:
-                self._spawn(service)
-            self._wait_healthy(workers, bar)
-            self._spawn(gateway)
-            self._wait_healthy([gateway], bar)
+        try:
+            if self.mps is not None:
+                self.mps.start()
+            gateway, workers = self.services[0], self.services[1:]
+            with tqdm(total=len(self.services), desc="starting services", unit="svc", file=sys.stderr) as bar:
+                for service in workers:
+                    self._spawn(service)
+                self._wait_healthy(workers, bar)
+                self._spawn(gateway)
+                self._wait_healthy([gateway], bar)
+        except BaseException:
+            # A service that failed to come up (or an interrupt) stops the ones already started: a caller that
+            # never reaches `stop()` must not leave workers running (and holding ports and GPU memory).
+            self.stop()
+            raise
 
     def _wait_healthy(self, services: list[Service], bar: Any) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s
