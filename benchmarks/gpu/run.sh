@@ -327,7 +327,16 @@ suite_int8bits() {
 # and 16 interleaved twice, and on the 1B rows through the stack (4 gateway processes, where it should stay at 1);
 # then the 8B decode step (bf16 / int8, batch 1 / 64) against this card's own copy bandwidth. ~5 min.
 suite_pacer() {
-    local i m
+    suite_pacer_min 3
+    stack_row "1b-1024-max1" "$SMALL" 256 1024 4 --repeat "$(n 2 1)"
+    step pacer-step 120 $TI $PY -m tandem.benchmarks.quant decode-latency $DRY --model "$BIG" --variants bf16,int8 \
+        --batches "$(n 1,64 1,4)" --steps "$(n 50 3)" --out "$OUT/pacer-step"
+}
+
+# The pacer's A/B alone, for a short lease: the gateway alone off / 16 twice, the 128-token row each way (that row
+# REPEATS times, default 2). ~2.5 min.
+suite_pacer_min() {
+    local repeats=${1:-2} i m
     for i in 1 2; do
         for m in 1 16; do
             step "gateway-alone-max$m-$i" 90 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 \
@@ -336,25 +345,7 @@ suite_pacer() {
         done
     done
     for m in 1 16; do
-        stack_row "1b-128-max$m" "$SMALL" 256 128 4 --repeat "$(n 3 1)" --max-stream-interval $m
-    done
-    stack_row "1b-1024-max1" "$SMALL" 256 1024 4 --repeat "$(n 2 1)"
-    step pacer-step 120 $TI $PY -m tandem.benchmarks.quant decode-latency $DRY --model "$BIG" --variants bf16,int8 \
-        --batches "$(n 1,64 1,4)" --steps "$(n 50 3)" --out "$OUT/pacer-step"
-}
-
-# The pacer's A/B alone, for a short lease: the gateway alone off / 16 twice, the 128-token row each way. ~2.5 min.
-suite_pacer_min() {
-    local i m
-    for i in 1 2; do
-        for m in 1 16; do
-            step "gateway-alone-max$m-$i" 60 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 \
-                --gateway-workers 1 --num-requests "$(n 256 8)" --output-len "fixed:$(n 256 8)" --repeat "$(n 3 1)" \
-                --max-stream-interval $m --out "$OUT/gateway-alone-max$m-$i.json"
-        done
-    done
-    for m in 1 16; do
-        stack_row "1b-128-max$m" "$SMALL" 256 128 4 --repeat "$(n 2 1)" --max-stream-interval $m
+        stack_row "1b-128-max$m" "$SMALL" 256 128 4 --repeat "$(n "$repeats" 1)" --max-stream-interval $m
     done
 }
 

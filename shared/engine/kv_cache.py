@@ -73,13 +73,22 @@ def num_blocks_to_allocate(model: ModelConfig, cache: CacheConfig, dtype: torch.
 MAX_SLICED_RUNS = 4
 
 
-def _consecutive_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(first block id, index into `block_ids`, length) of each run of consecutive ids, in order."""
+def _consecutive_runs(block_ids: list[int], limit: int | None = None) -> list[tuple[int, int, int]] | None:
+    """(first block id, index into `block_ids`, length) of each run of consecutive ids, in order; None past `limit`
+    runs (when given). Called per layer of every page message on decode's engine thread: one run (the usual case)
+    is found by a single list comparison, and a scattered list stops being walked at `limit`."""
+    if not block_ids:
+        return []
+    first = block_ids[0]
+    if block_ids == list(range(first, first + len(block_ids))):
+        return [(first, 0, len(block_ids))]
     runs: list[tuple[int, int, int]] = []
     for i, block_id in enumerate(block_ids):
         if runs and block_id == runs[-1][0] + runs[-1][2]:
             first, start, count = runs[-1]
             runs[-1] = (first, start, count + 1)
+        elif len(runs) == limit:
+            return None
         else:
             runs.append((block_id, i, 1))
     return runs
@@ -133,8 +142,8 @@ class KVCache:
                                  f"{v.dtype}")
             # As bytes: index_put on fp8 tensors is not implemented on every device.
             pages, k, v = pages.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
-        runs = _consecutive_runs(block_ids)
-        if len(runs) <= MAX_SLICED_RUNS:
+        runs = _consecutive_runs(block_ids, MAX_SLICED_RUNS)
+        if runs is not None:
             for first_block, start, count in runs:
                 pages[0, first_block:first_block + count].copy_(k[start:start + count])
                 pages[1, first_block:first_block + count].copy_(v[start:start + count])

@@ -358,7 +358,7 @@ class ModelRunner:
             position = num_tokens - 1  # the last token's K/V is written this step
             input_ids.append(0 if lookahead else request.last_token_id)
             positions.append(position)
-            slots.append(block_ids[position // bs] * bs + position % bs)  # `_slots` of one position
+            slots.append(block_ids[position // bs] * bs + position % bs)  # `slot_mapping` of one position
             context_lens.append(num_tokens)
         block_tables, max_blocks = block_table(requests)
         return DecodeInputs(
