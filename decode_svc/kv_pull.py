@@ -11,6 +11,7 @@ are then quarantined until the peer confirms (`Prefill.Release`) that it has sto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -50,6 +51,12 @@ log = logging.getLogger(__name__)
 # Release: how often to ask a peer to confirm it stopped writing, and how long each ask may take.
 _RELEASE_ATTEMPTS = 10
 _RELEASE_TIMEOUT_S = 5.0
+# A prefill call that never reached its peer (gRPC could not connect: nothing was sent, nothing written) is tried
+# again this many times, each after waiting up to `_CONNECT_WAIT_S` for the channel to connect, before the prompt
+# falls back to a local prefill: a registered prefill worker refused a first connection now and then in CI, and a
+# restarting one does for a moment, where a local prefill costs decode's steps a whole prompt.
+_CONNECT_RETRIES = 2
+_CONNECT_WAIT_S = 1.0
 # A request whose pages have landed but that shares blocks still in flight for others waits at most this long for
 # them, then computes its prompt here: a guard against a stalled transfer of another request, not a tuning knob.
 # Those transfers come from the same batch of the prefill worker as a rule (milliseconds apart), but a prompt's
@@ -84,6 +91,10 @@ class PullRequest:
     block_ids: list[int]
     # Leading tokens whose blocks came from this worker's prefix cache: the prefill worker does not ship them.
     num_cached_tokens: int = 0
+
+
+class _NotConnected(Exception):  # noqa: N818 - an outcome, not an error
+    """The prefill call failed before it reached the peer (`_pull_from` tries it again)."""
 
 
 class FallBackLocally(Exception):  # noqa: N818 - an outcome, not an error
@@ -132,10 +143,16 @@ class KVPuller:
                                          peer.failed_ipc)
         except ValueError as error:
             raise KVTransportError(str(error)) from None
-        for _ in range(3):  # at most: an unknown pool (send the handle), then a failed map (go by bytes)
+        connect_retries = _CONNECT_RETRIES
+        for _ in range(3 + _CONNECT_RETRIES):  # also: an unknown pool (send the handle), a failed map (go by bytes)
             try:
-                await self._pull_once(request, address, peer, transport, deadline)
+                await self._pull_once(request, address, peer, transport, deadline,
+                                      retry_unconnected=connect_retries > 0)
                 return
+            except _NotConnected:
+                connect_retries -= 1
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.channels.get(address).channel_ready(), _CONNECT_WAIT_S)
             except UnknownPoolError:
                 peer.has_handle = False
             except PoolOpenError as error:
@@ -145,7 +162,9 @@ class KVPuller:
         raise FallBackLocally("transfer_failed")
 
     async def _pull_once(self, request: PullRequest, address: str, peer: PeerState, transport: str,
-                         deadline: float | None) -> None:
+                         deadline: float | None, retry_unconnected: bool = False) -> None:
+        """One prefill call; with `retry_unconnected`, one that could not connect raises `_NotConnected` instead of
+        falling back."""
         engine = self.engine
         req_id = request.req_id
         layout = engine.engine.layout
@@ -213,6 +232,9 @@ class KVPuller:
                 raise DeadlineExceededError(f"deadline exceeded before {req_id} was prefilled") from None
             if isinstance(typed, (UnknownPoolError, PoolOpenError)):
                 raise typed from None  # refused before anything was written: `pull` retries
+            if retry_unconnected and _never_connected(error):
+                peer_may_write = False  # the call never reached the peer
+                raise _NotConnected() from None
             if isinstance(typed, LayoutMismatchError):
                 # The gateway pairs by fingerprint, so this is a misconfiguration; serve the request anyway.
                 log.error("prefill at %s refused %s: %s; prefilling locally", address, req_id, typed)
@@ -314,3 +336,9 @@ class KVPuller:
         if self._pool is None:
             self._pool = ExportedPool.of(self.engine.engine.runner.kv_cache.tensor)
         return self._pool
+
+
+def _never_connected(error: BaseException) -> bool:
+    """gRPC could not open a connection to the peer for this call: it was never sent."""
+    return (isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+            and (error.details() or "").startswith("failed to connect"))

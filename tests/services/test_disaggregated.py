@@ -38,7 +38,8 @@ class Worker:
     servicer: PrefillServicer | DecodeServicer
 
 
-async def start_worker(role: str, config: EngineConfig, max_concurrent_streams: int = 256) -> Worker:
+async def start_worker(role: str, config: EngineConfig, max_concurrent_streams: int = 256,
+                       address: str = "127.0.0.1:0") -> Worker:
     engine = AsyncEngine(Engine(config), name=f"test-{role}")
     servicer: PrefillServicer | DecodeServicer
     if role == "prefill":
@@ -52,7 +53,7 @@ async def start_worker(role: str, config: EngineConfig, max_concurrent_streams: 
         add(servicer, server)  # type: ignore[arg-type]
         return [f"tandem.v1.{role.capitalize()}"]
 
-    server, port, _ = await start_server("127.0.0.1:0", register, max_concurrent_streams=max_concurrent_streams)
+    server, port, _ = await start_server(address, register, max_concurrent_streams=max_concurrent_streams)
     return Worker(engine, f"127.0.0.1:{port}", server, servicer)
 
 

@@ -6,7 +6,8 @@
 - a damaged page message is detected, counted, never written, and the request still ends token-exact;
 - every prompt token decode computes itself is counted with its reason, also under preemption;
 - more concurrent prompts than a prefill worker takes streams on one connection wait for a free one instead of
-  being refused (and computed on decode).
+  being refused (and computed on decode);
+- a prefill worker that refuses decode's first connection (not listening yet) gets the prompt once it listens.
 """
 
 from __future__ import annotations
@@ -191,5 +192,28 @@ async def test_pulls_past_the_prefill_workers_stream_limit_wait_instead_of_falli
         assert [tokens for tokens, _ in results] == reference_tokens(model_folder, prompts, max_tokens=4)
     finally:
         for worker in (prefill, decode):
+            await worker.server.stop(0)
+            worker.engine.close()
+
+
+async def test_a_prefill_worker_that_refuses_the_first_connection_still_gets_the_prompt(model_folder: Path) -> None:
+    """The prefill worker's port refuses connections when decode's pull starts and listens 0.3 s later: the call,
+    never sent, is tried again once the channel connects, and no prompt token is computed on decode."""
+    from tandem.launcher import free_port
+
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    decode = await start_worker("decode", engine_config(model_folder))
+    workers = [decode]
+    try:
+        prompt = prompts_for(512, [10])[0]
+        before = _local_tokens("transfer_failed")
+        pending = asyncio.ensure_future(generate(decode, decode_request("late", prompt, address, max_tokens=4)))
+        await asyncio.sleep(0.3)
+        workers.append(await start_worker("prefill", engine_config(model_folder), address=address))
+        tokens, local = await asyncio.wait_for(pending, 30)
+        assert local == 0 and _local_tokens("transfer_failed") == before
+        assert tokens == reference_tokens(model_folder, [prompt], max_tokens=4)[0]
+    finally:
+        for worker in workers:
             await worker.server.stop(0)
             worker.engine.close()
