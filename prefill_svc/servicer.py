@@ -108,8 +108,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     async def Release(self, request: worker_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
-        """Returns once no write of the request can follow: it is dropped between steps, and every step ends with
-        a host sync on the stream its stores (and the peer-pool stores) ran on, so nothing of it is pending."""
+        """Returns once no write of the request can follow: it is dropped between steps, after waiting for a launched
+        step that computes for it (prefill pipelining, `Engine._settle`); every step read has ended with a host sync
+        on the stream its stores (and the peer-pool stores) ran on, so nothing of it is pending."""
         req_id = request.request_id
 
         def release(engine: Engine) -> None:

@@ -80,6 +80,8 @@
 #   columns  #15: a step's steady tokens in columns on the session (engine thread → session message, no per-request
 #            event) vs per-request updates (TANDEM_SESSION_COLUMNS=0), interleaved: the gateway alone and the stack's
 #            1B and 8B rows, ~8 min
+#   pipe     #15/#14: prefill pipelining (TANDEM_PREFILL_PIPELINE) on vs off: its GPU tests and the GPU stack test,
+#            the 1B rows interleaved, ~6 min
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
@@ -320,6 +322,23 @@ suite_int8bits() {
     for bits in 0 1; do
         step "int8bits-offline-b$bits" 150 env TANDEM_QUANT_INT8_BITS=$bits $Q offline $DRY --model "$BIG" \
             --variants int8 --out "$OUT/offline-b$bits"
+    done
+}
+
+# 2026-12-07 (#15/#14): prefill pipelining, a prefill worker's next step launched before the one in flight is read
+# (its host part, ~6.4 ms per 8,192-token step in the burst, off the GPU's critical path). Its GPU tests and the
+# stack test (cuda-ipc and grpc), then the 1B rows with it on and off, interleaved. ~6 min.
+suite_pipe() {
+    step pipe-tests 150 $PY -m pytest -q -x -p no:cacheprovider tests/kernels/test_prefill_pipeline_gpu.py \
+        tests/kernels/test_async_scheduling_gpu.py tests/e2e/test_gpu_stack.py
+    local i p
+    for i in 1 2; do
+        for p in 1 0; do
+            TANDEM_PREFILL_PIPELINE=$p stack_row "1b-128-pipe$p-$i" "$SMALL" 256 128 4
+        done
+    done
+    for p in 1 0; do
+        TANDEM_PREFILL_PIPELINE=$p stack_row "1b-1024-pipe$p" "$SMALL" 256 1024 4
     done
 }
 

@@ -31,17 +31,29 @@ from tandem.engine.block_pool import BlockPool
 from tandem.engine.draft import DraftProposer, draft_engine_config, draft_kv_share
 from tandem.engine.ngram import NgramProposer
 from tandem.engine.request import KVMirror, Request, RequestStatus
-from tandem.engine.runner import LaunchedDecode, ModelRunner
-from tandem.engine.scheduler import Scheduler, num_blocks_for
+from tandem.engine.runner import LaunchedStep, ModelRunner
+from tandem.engine.scheduler import Scheduler, SchedulerOutput, num_blocks_for
 from tandem.engine.spec_decode import SpeculativeConfig
 
 # 0 or 1 over `EngineConfig.async_scheduling`: how a served stack turns it on (its workers inherit the variable),
 # and the A/B in benchmarks/gpu/run.sh.
 ASYNC_SCHEDULING_ENV = "TANDEM_ASYNC_SCHEDULING"
+# 0 turns prefill pipelining off where async scheduling is on (the A/B in benchmarks/gpu/run.sh).
+PREFILL_PIPELINE_ENV = "TANDEM_PREFILL_PIPELINE"
 # With a prompt cap (`prompt_tokens_while_decoding`): lift it once a prompt has waited this many milliseconds, and
 # to this many prompt tokens rather than the whole budget (experiments: docs/architecture.md).
 CAP_MAX_WAIT_ENV = "TANDEM_PROMPT_CAP_MAX_WAIT_MS"
 CAP_LIFT_ENV = "TANDEM_PROMPT_CAP_LIFT"
+
+
+@dataclass
+class _PrefillInFlight:
+    """A prefill step launched and not read: its schedule, its launch (whose `requests` are the prompts it samples a
+    first token for) and the ids of every request it computes for."""
+
+    output: SchedulerOutput
+    launched: LaunchedStep
+    members: set[int]
 
 
 @dataclass
@@ -115,7 +127,14 @@ class Engine:
         if os.environ.get(ASYNC_SCHEDULING_ENV):
             async_scheduling = bool(env_number(ASYNC_SCHEDULING_ENV, 0, int))
         self.async_scheduling = bool(async_scheduling) and speculative is None
-        self._in_flight: LaunchedDecode | None = None
+        self._in_flight: LaunchedStep | None = None
+        # Prefill pipelining, with async scheduling: a step of prefill-only prompt chunks (a prefill worker's) is
+        # launched, then the next one is scheduled and launched before the first's tokens are read, so that the
+        # host's part of a step (scheduling, inputs, launches: ~6 ms for 8,192 tokens on the H200 host) overlaps the
+        # GPU's work on the one before. No step of prompt chunks needs the tokens of the step before.
+        self.pipeline_prefill = self.async_scheduling and bool(env_number(PREFILL_PIPELINE_ENV, 1, int))
+        self._prefill_in_flight: _PrefillInFlight | None = None
+        self._prefill_reading: _PrefillInFlight | None = None
         # How the host waits for a launched step: given "is it done?" and "block until it is" (the service's engine
         # thread runs queued commands meanwhile); None: block.
         self.wait_for_step: Callable[[Callable[[], bool], Callable[[], None]], None] | None = None
@@ -139,7 +158,8 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         # A launched step is read even when everyone in it has ended: its pinned blocks go back then.
-        return self._in_flight is not None or self.scheduler.has_unfinished()
+        return (self._in_flight is not None or self._prefill_in_flight is not None
+                or self.scheduler.has_unfinished())
 
     # -- admission ----------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -204,6 +224,7 @@ class Engine:
         """End a request wherever it is and free its blocks now; unknown ids are ignored."""
         request = self.requests.pop(req_id, None)
         if request is not None:
+            self._settle(request)
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
             if self.draft is not None:
                 self.draft.forget(req_id)
@@ -212,6 +233,8 @@ class Engine:
     def step(self) -> StepResult:
         if self._in_flight is not None:
             return self._read_in_flight()
+        if self._prefill_in_flight is not None:
+            return self._read_prefill()
         output = self.scheduler.schedule()
         if output is None:
             return StepResult([], [], is_prefill=False)
@@ -228,6 +251,9 @@ class Engine:
             # callers start the transfers (dropped, a reserved request waited for its pages forever).
             result.reserved = output.reserved
             return result
+        if self.pipeline_prefill and self._pipelines(output):
+            self._prefill_in_flight = self._launch_prefill(output)
+            return self._read_prefill()
         hook = None
         if is_prefill and self.on_prefill_step is not None:
             hook = self.on_prefill_step([(r, r.num_computed_tokens, n)
@@ -279,7 +305,7 @@ class Engine:
         requests = [r for r, is_live in zip(current.requests, live, strict=True) if is_live]
         return StepResult(requests, finished, False, num_new_tokens=[1] * len(requests))
 
-    def _launch_next(self, current: LaunchedDecode) -> LaunchedDecode | None:
+    def _launch_next(self, current: LaunchedStep) -> LaunchedStep | None:
         """The pure decode step after `current` (launched, not read), if it is what the scheduler would run: no
         request waits or joined since, every running request is in `current`, and each one that may still be
         running after it gets a slot for one more token (without preempting anyone). Requests that `current`'s
@@ -313,6 +339,62 @@ class Engine:
         launched = self.runner.launch_decode(requests, current, rows)
         launched.pinned = pinned
         return launched
+
+    # -- prefill pipelining ----------------------------------------------------------------------------
+    def _pipelines(self, output: SchedulerOutput) -> bool:
+        """A step of prompt chunks of prefill-only requests only (a prefill worker's), which the next step's
+        schedule does not depend on."""
+        return not output.reserved and all(r.prefill_only and r.is_prefilling for r in output.requests)
+
+    def _launch_prefill(self, output: SchedulerOutput) -> _PrefillInFlight:
+        """Launch a step of prompt chunks and apply what it does that needs no token (`Scheduler.advance_prefill`)."""
+        now = time.monotonic()
+        for request in output.requests:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        hook = None
+        if self.on_prefill_step is not None:
+            hook = self.on_prefill_step([(r, r.num_computed_tokens, n)
+                                         for r, n in zip(output.requests, output.num_new_tokens, strict=True)])
+        launched = self.runner.launch_chunks(output, hook)
+        sampled = self.scheduler.advance_prefill(output)
+        assert [id(r) for r in sampled] == [id(r) for r in launched.requests], "sampled rows out of order"
+        return _PrefillInFlight(output, launched, {id(r) for r in output.requests})
+
+    def _read_prefill(self) -> StepResult:
+        """Launch the next step of prompt chunks when the scheduler has one (only prefill-only requests wait), then
+        read the step in flight and give its prompts their first tokens."""
+        current = self._prefill_in_flight
+        assert current is not None
+        self._prefill_in_flight = None
+        self._prefill_reading = current
+        try:
+            scheduler = self.scheduler
+            if (scheduler.waiting or scheduler.running) and all(
+                    r.prefill_only for queue in (scheduler.waiting, scheduler.running) for r in queue):
+                output = scheduler.schedule()
+                if output is not None and output.requests:
+                    assert self._pipelines(output), "a prefill-only queue scheduled something else"
+                    self._prefill_in_flight = self._launch_prefill(output)
+            token_ids, logprobs = current.launched.result(self.wait_for_step)
+        except BaseException:
+            # A failed step fails what is in flight too (the caller aborts every request): nothing is waited for.
+            self._prefill_in_flight = None
+            raise
+        finally:
+            self._prefill_reading = None
+        self.scheduler.apply_first_tokens(current.launched.requests, token_ids, logprobs)
+        live = (RequestStatus.RUNNING, RequestStatus.PREFILLED)
+        kept = [(r, n) for r, n in zip(current.output.requests, current.output.num_new_tokens, strict=True)
+                if r.status in live]
+        return StepResult([r for r, _ in kept], [], True, num_new_tokens=[n for _, n in kept])
+
+    def _settle(self, request: Request) -> None:
+        """Before a request's blocks go back: wait for a launched prefill step that computes for it, whose stores
+        may be headed for a receiver's pool (which its caller is about to be told no write of it follows)."""
+        for step in (self._prefill_reading, self._prefill_in_flight):
+            if step is not None and id(request) in step.members and step.launched.done is not None:
+                step.launched.done.synchronize()
 
     # -- speculative decoding ---------------------------------------------------------------------------
     # A request whose proposals are all rejected proposes half as many next time; at none, it waits this many
@@ -431,6 +513,7 @@ class Engine:
         """The pages are shipped (or the receiver went away): free the prefilled request's blocks."""
         request = self.requests.pop(req_id, None)
         if request is not None:
+            self._settle(request)
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     # -- decode role ------------------------------------------------------------------------------------

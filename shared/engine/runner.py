@@ -109,10 +109,11 @@ class DecodeInputs:
 
 
 @dataclass
-class LaunchedDecode:
-    """A pure decode step whose kernels are queued and whose sampled tokens are on their way to the host (async
-    scheduling: the next step may be launched before these are read). `pinned`: blocks the step writes a slot of,
-    held by the engine until the step is read, so that none is handed to anyone while the GPU may still write it."""
+class LaunchedStep:
+    """A step whose kernels are queued and whose sampled tokens are on their way to the host (async scheduling: the
+    next step may be launched before these are read): a pure decode step, or a prefill worker's step of prompt
+    chunks. `pinned`: blocks a decode step writes a slot of, held by the engine until the step is read, so that none
+    is handed to anyone while the GPU may still write it."""
 
     requests: list[Request]
     token_ids: torch.Tensor  # [S] int64, on the device: the next step's input ids
@@ -305,7 +306,7 @@ class ModelRunner:
                                 for row in range(end - count, end)], torch.int64)
         return self.model.compute_logits(hidden[last])
 
-    def decode_logits(self, requests: list[Request], after: LaunchedDecode | None = None,
+    def decode_logits(self, requests: list[Request], after: LaunchedStep | None = None,
                       rows: list[int] | None = None) -> torch.Tensor:
         """Logits [S, V] of a decode step. With `after` (a launched step whose tokens the host has not applied),
         each request's input is the token `after` sampled in row `rows[i]`, taken on the device, at the position
@@ -324,26 +325,49 @@ class ModelRunner:
         return self.forward_decode(inputs, self.num_splits_for(len(requests)))
 
     @torch.inference_mode()
-    def launch_decode(self, requests: list[Request], after: LaunchedDecode | None = None,
-                      rows: list[int] | None = None) -> LaunchedDecode:
+    def launch_decode(self, requests: list[Request], after: LaunchedStep | None = None,
+                      rows: list[int] | None = None) -> LaunchedStep:
         """Queue a pure decode step (see `decode_logits`) and its tokens' copy to the host, without waiting."""
         with self.step_inputs():
             return self._launch_decode(requests, after, rows)
 
-    def _launch_decode(self, requests: list[Request], after: LaunchedDecode | None,
-                       rows: list[int] | None) -> LaunchedDecode:
+    def _launch_decode(self, requests: list[Request], after: LaunchedStep | None,
+                       rows: list[int] | None) -> LaunchedStep:
         logits = self.decode_logits(requests, after, rows)
         token_ids, logprobs = sample(logits, SamplingTensors.from_requests(requests, self.device,
                                                                            num_unapplied=int(after is not None)))
+        return self._launched(requests, token_ids, logprobs)
+
+    @torch.inference_mode()
+    def launch_chunks(self, output: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
+                      ) -> LaunchedStep:
+        """Queue a step of prompt chunks (prefill role: no decode tokens, no proposals) and its sampled first tokens'
+        copy to the host, without waiting; the returned step's `requests` are those whose last chunk this is (the
+        rows of its tokens)."""
+        with self.step_inputs():
+            chunks = [(r, r.num_computed_tokens, n)
+                      for r, n in zip(output.requests, output.num_new_tokens, strict=True)]
+            rows = [1 if output.samples(i) else 0 for i in range(len(chunks))]
+            sampling = [r for (r, _, _), row in zip(chunks, rows, strict=True) if row]
+            logits = self.chunk_logits(chunks, rows, on_layer_done)
+            if sampling:
+                token_ids, logprobs = sample(logits, SamplingTensors.from_requests(sampling, self.device))
+            else:
+                token_ids = torch.empty(0, dtype=torch.int64, device=self.device)
+                logprobs = torch.empty(0, dtype=torch.float32, device=self.device)
+            return self._launched(sampling, token_ids, logprobs)
+
+    def _launched(self, requests: list[Request], token_ids: torch.Tensor, logprobs: torch.Tensor) -> LaunchedStep:
+        """A launched step of `requests` whose sampled tokens go to pinned host memory behind an event."""
         if self.device.type != "cuda":
-            return LaunchedDecode(requests, token_ids, token_ids, logprobs, None, [])
+            return LaunchedStep(requests, token_ids, token_ids, logprobs, None, [])
         host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
         host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
         host_ids.copy_(token_ids, non_blocking=True)
         host_logprobs.copy_(logprobs, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return LaunchedDecode(requests, token_ids, host_ids, host_logprobs, done, [])
+        return LaunchedStep(requests, token_ids, host_ids, host_logprobs, done, [])
 
     def prepare_decode(self, requests: list[Request], lookahead: bool = False) -> DecodeInputs:
         """The step's inputs as host tensors (pinned when the model is on a GPU, so that their copies to

@@ -548,6 +548,35 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def advance_prefill(self, output: SchedulerOutput) -> list[Request]:
+        """Prefill role, a step launched and not read yet (`Engine`'s prefill pipelining): what `update_from_output`
+        does for prompt chunks that needs no sampled token, so that the next step can be scheduled now. Every chunk
+        advances; a prompt whose last chunk this was is PREFILLED at once (held, scheduled no more) and gets its
+        first token from `apply_first_tokens` once the step is read. Returns those prompts, in the step's order (the
+        rows of its sampled tokens)."""
+        sampled: list[Request] = []
+        for request, num_new in zip(output.requests, output.num_new_tokens, strict=True):
+            assert request.prefill_only and not request.spec_token_ids, "only prompt chunks of prefill-only requests"
+            reason = request.local_prefill_reason
+            request.local_prefill_tokens[reason] = request.local_prefill_tokens.get(reason, 0) + num_new
+            request.num_computed_tokens += num_new
+            self._cache_blocks(request)
+            if request.num_computed_tokens >= request.num_tokens:
+                request.status = RequestStatus.PREFILLED
+                self.running.remove(request)
+                self.prefilled[request.req_id] = request
+                sampled.append(request)
+        return sampled
+
+    def apply_first_tokens(self, requests: list[Request], token_ids: Sequence[Sequence[int]],
+                           logprobs: Sequence[Sequence[float]]) -> None:
+        """The first tokens of `advance_prefill`'s prompts, read from their step; a prompt ended meanwhile (aborted,
+        released) takes none."""
+        for request, ids, probs in zip(requests, token_ids, logprobs, strict=True):
+            if request.status is RequestStatus.PREFILLED:
+                request.output_token_ids.append(ids[0])
+                request.output_logprobs.append(probs[0])
+
     def _prefilled(self, request: Request, token_id: int, logprob: float) -> None:
         """Prefill role: the prompt is computed and its first token sampled; the decode worker applies the stop
         rules to it. The blocks stay held until the pages are shipped."""
