@@ -82,6 +82,7 @@
 #            1B and 8B rows, ~8 min
 #   pipe     #15/#14: prefill pipelining (TANDEM_PREFILL_PIPELINE) on vs off: its GPU tests and the GPU stack test,
 #            the 1B rows interleaved, ~6 min
+#   pipe_min the 128-token row of pipe and the gateway alone with the pacer off / 16, ~5 min
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
@@ -339,6 +340,24 @@ suite_pipe() {
     done
     for p in 1 0; do
         TANDEM_PREFILL_PIPELINE=$p stack_row "1b-1024-pipe$p" "$SMALL" 256 1024 4
+    done
+}
+
+# The least of pipe and pacer_min for a short lease: the GPU tests, the 128-token row with pipelining on / off twice,
+# the gateway alone with the pacer off / 16 once. ~5 min.
+suite_pipe_min() {
+    step pipe-tests 150 $PY -m pytest -q -x -p no:cacheprovider tests/kernels/test_prefill_pipeline_gpu.py \
+        tests/e2e/test_gpu_stack.py
+    local i p m
+    for i in 1 2; do
+        for p in 1 0; do
+            TANDEM_PREFILL_PIPELINE=$p stack_row "1b-128-pipe$p-$i" "$SMALL" 256 128 4
+        done
+    done
+    for m in 1 16; do
+        step "gateway-alone-max$m" 90 $PY -m tandem.benchmarks.stack_overhead --fake-decode-step-ms 1 \
+            --gateway-workers 1 --num-requests "$(n 256 8)" --output-len "fixed:$(n 256 8)" --repeat "$(n 3 1)" \
+            --max-stream-interval $m --out "$OUT/gateway-alone-max$m.json"
     done
 }
 
