@@ -64,7 +64,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         start = time.perf_counter()
         num_bytes = 0
         flushed = False
-        with self.engine.stream(req_id) as events:
+        # A resumed request's tokens already streamed are not its first token: a step that ends only a chunk of
+        # its prompt must not publish them as one.
+        with self.engine.stream(req_id, num_already_sent=len(request.output_token_ids)) as events:
             try:
                 prompt, prior = list(request.prompt_token_ids), list(request.output_token_ids)
                 await self.engine.call(lambda e: e.add_request(

@@ -181,3 +181,32 @@ async def test_resumed_request_continues_token_exact(workers: tuple[Worker, Work
     tokens, local = await generate(decode, request)
     assert tokens == full[5:]
     assert local == (0 if remote else len(prompt) + 5)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+async def test_a_resumed_request_chunked_on_the_prefill_worker_continues_token_exact(
+        model_folder: Path, pipelined: bool) -> None:
+    """A resumed request (prompt + tokens already streamed) longer than the prefill worker's step budget: its
+    partial steps carry no first token (the tokens already streamed are not one), and it continues exactly."""
+    from dataclasses import replace
+
+    config = engine_config(model_folder)
+    chunked = replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=16))
+    prefill = await start_worker("prefill", chunked)
+    prefill.engine.engine.pipeline_prefill = pipelined
+    decode = await start_worker("decode", config)
+    try:
+        prompt = prompts_for(512, [41])[0]
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=77, ignore_eos=True)
+        llm = LLM(str(model_folder), max_model_len=128, max_num_batched_tokens=256, block_size=4)
+        full = llm.generate([prompt], params)[0].token_ids
+        request = worker_pb2.DecodeRequest(request_id="resume-chunked", prompt_token_ids=prompt,
+                                           sampling=sampling_to_worker(params), prefill_address=prefill.address,
+                                           output_token_ids=full[:5])
+        tokens, local = await generate(decode, request)
+        assert local == 0
+        assert tokens == full[5:]
+    finally:
+        for worker in (prefill, decode):
+            await worker.server.stop(0)
+            worker.engine.close()
