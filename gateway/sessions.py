@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -147,17 +148,21 @@ Update: TypeAlias = "worker_pb2.SessionUpdate | SessionEnded"
 
 
 class StreamPacer:
-    """The gateway process's stream interval under load (`--max-stream-interval`): every `TICK_S` it looks how late
-    the event loop ran a timer. Late by more than `BUSY_LAG_S` (the process is saturated: its loop turns take that
-    long) doubles the interval, up to `maximum`; late by less than `IDLE_LAG_S` halves it, down to 1. Each request's
-    updates take the larger of it and the configured `--stream-interval`, so a saturated gateway sends fewer, larger
-    client messages (a message costs several times a token) instead of falling further behind, and goes back to
-    every step's tokens once it keeps up. Measured on the 2-core CPU VM (gateway alone, 1 ms steps, 256 × 256):
-    see docs/architecture.md ("Streaming under load")."""
+    """The gateway process's stream interval under load (`--max-stream-interval`): every `TICK_S` it looks how busy
+    its event loop was. Saturated (the loop's thread used at least `BUSY_SHARE` of the tick's wall time in CPU, or
+    the loop ran the tick's timer more than `BUSY_LAG_S` late) doubles the interval, up to `maximum`; idle (under
+    `IDLE_SHARE` and less than `IDLE_LAG_S` late) halves it, down to 1. Each request's updates take the larger of it
+    and the configured `--stream-interval`, so a saturated gateway sends fewer, larger client messages (a message
+    costs several times a token) instead of falling further behind, and goes back to every step's tokens once it
+    keeps up. The CPU share is the trigger a GPU host needs: there one gateway process ran its loop ~95% busy in
+    short turns, its timers never 5 ms late (`benchmarks/results/h100-2026-12-07`); docs/architecture.md
+    ("Streaming under load")."""
 
     TICK_S = 0.02
     BUSY_LAG_S = 0.005
     IDLE_LAG_S = 0.001
+    BUSY_SHARE = 0.85
+    IDLE_SHARE = 0.5
 
     def __init__(self, maximum: int) -> None:
         if maximum < 1:
@@ -165,12 +170,16 @@ class StreamPacer:
         self.maximum = maximum
         self.interval = 1
         self._due = 0.0
+        self._since = 0.0  # the loop's time and its thread's CPU time at the previous tick
+        self._cpu_since = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         """Start ticking on the running loop (once; later calls do nothing)."""
         if self._timer is None:
-            self._schedule(asyncio.get_running_loop())
+            loop = asyncio.get_running_loop()
+            self._since, self._cpu_since = loop.time(), time.thread_time()
+            self._schedule(loop)
 
     def stop(self) -> None:
         if self._timer is not None:
@@ -183,10 +192,13 @@ class StreamPacer:
 
     def _tick(self) -> None:
         loop = asyncio.get_running_loop()
-        lag = loop.time() - self._due
-        if lag > self.BUSY_LAG_S:
+        now, cpu = loop.time(), time.thread_time()
+        lag = now - self._due
+        share = (cpu - self._cpu_since) / max(now - self._since, 1e-6)
+        self._since, self._cpu_since = now, cpu
+        if lag > self.BUSY_LAG_S or share >= self.BUSY_SHARE:
             self.interval = min(self.interval * 2, self.maximum)
-        elif lag < self.IDLE_LAG_S:
+        elif lag < self.IDLE_LAG_S and share < self.IDLE_SHARE:
             self.interval = max(self.interval // 2, 1)
         metrics.GATEWAY_STREAM_INTERVAL.set(self.interval)
         self._schedule(loop)

@@ -46,6 +46,29 @@ async def test_the_interval_rises_while_saturated_and_falls_back() -> None:
         pacer.stop()
 
 
+async def spin(seconds: float, turn_s: float = 0.001) -> None:
+    """Keep the loop's thread computing in short turns: busy all the time, yet every timer on time."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        turn_end = time.perf_counter() + turn_s
+        while time.perf_counter() < turn_end:
+            pass
+        await asyncio.sleep(0)
+
+
+async def test_a_loop_busy_in_short_turns_raises_the_interval_too() -> None:
+    """The GPU host's case: the loop's thread ~95% busy, no timer 5 ms late (its CPU share is the trigger)."""
+    pacer = StreamPacer(maximum=4)
+    pacer.start()
+    try:
+        await spin(0.3)
+        assert pacer.interval == 4
+        await asyncio.sleep(0.2)
+        assert pacer.interval == 1
+    finally:
+        pacer.stop()
+
+
 async def test_a_paced_reader_waits_for_the_interval_after_its_first_tokens() -> None:
     pacer = StreamPacer(maximum=4)
     pacer.interval = 4  # as a saturated loop left it
