@@ -81,7 +81,7 @@
 #            event) vs per-request updates (TANDEM_SESSION_COLUMNS=0), interleaved: the gateway alone and the stack's
 #            1B and 8B rows, ~8 min
 #   pipe     #15/#14: prefill pipelining (TANDEM_PREFILL_PIPELINE) on vs off: its GPU tests and the GPU stack test,
-#            the 1B rows interleaved, ~6 min
+#            the 1B rows interleaved, the 128-token row's timeline with it on, ~7 min
 #   pipe_min the 128-token row of pipe and the gateway alone with the pacer off / 16, ~5 min
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
@@ -341,6 +341,12 @@ suite_pipe() {
     for p in 1 0; do
         TANDEM_PREFILL_PIPELINE=$p stack_row "1b-1024-pipe$p" "$SMALL" 256 1024 4
     done
+    # Where a pipelined burst goes (an H100 run of the 128-token row had TTFT p50 608 ms against 217 in the run before).
+    KEEP_LOGS=1 OTEL_TRACES_EXPORTER=console stack_row "1b-128-pipe1-spans" "$SMALL" 256 128 4
+    local logs
+    logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
+    step "timeline-1b-128-pipe1" 60 $PY -m tandem.benchmarks.span_phases "$logs" --burst "$(n 256 8)" \
+        --out "$OUT/timeline-1b-128-pipe1.json"
 }
 
 # The least of pipe and pacer_min for a short lease: the GPU tests, the 128-token row with pipelining on / off twice,
