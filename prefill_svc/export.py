@@ -6,12 +6,14 @@
   layer. The first token is sampled after the step's host sync, so its arrival proves the pages are in place.
 - grpc (anywhere else): one hand-off per layer per step to the `PageExporter`, which copies the step's pages to
   pinned host memory on a side stream and writes the serialized messages on its own thread (the GIL released
-  for the copies: the engine thread goes on launching).
+  for the copies: the engine thread goes on launching); a request's first token waits for its own pages only
+  (`exported`), not for those of a step launched behind its last (prefill pipelining).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from tandem.common.errors import InvalidRequestError, UnknownPoolError
@@ -37,6 +39,8 @@ class PageExport:
         # cuda-ipc: peers' pools mapped once, pool id → per-layer caches.
         self._pools: dict[str, list[KVLayer]] = {}
         self.exporter = PageExporter(engine.engine.runner.kv_cache.tensor)
+        # Per request: a marker behind the last step that exported its pages (`exported`).
+        self._exported: dict[str, Future[None]] = {}
         engine.engine.on_prefill_step = self.on_prefill_step
 
     def open_pool(self, pool_id: str, handle: PoolHandle) -> None:
@@ -78,7 +82,28 @@ class PageExport:
                 exported.append((request.req_id, first, list(request.block_ids[first:end])))
         if not exported:
             return None
-        return self.exporter.begin_step(exported, self._deliver)
+        on_layer = self.exporter.begin_step(exported, self._deliver)
+        last_layer = self.engine.engine.layout.num_layers - 1
+        req_ids = [req_id for req_id, _, _ in exported]
+
+        def layer_done(layer: int) -> None:
+            on_layer(layer)
+            if layer == last_layer:
+                # Done once this step's pages are delivered, not those of a step launched behind it (prefill
+                # pipelining): what a request's first token waits for (`exported`).
+                marker = self.exporter.flush()
+                for req_id in req_ids:
+                    self._exported[req_id] = marker
+
+        return layer_done
+
+    def exported(self, req_id: str) -> Future[None]:
+        """Done once every page of `req_id` handed to the exporter so far is delivered (its stream has them)."""
+        marker = self._exported.pop(req_id, None)
+        return marker if marker is not None else self.exporter.flush()
+
+    def forget(self, req_id: str) -> None:
+        self._exported.pop(req_id, None)
 
     def _deliver(self, req_id: str, messages: list[WirePages]) -> None:
         """Exporter thread: one layer's messages of one request, to its stream."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -83,7 +84,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                     if not is_ipc and not flushed:
                         # The first token can come before the last pages are made: wait for the exporter (its
                         # pages are queued behind this token then), and take the token again after them.
-                        await asyncio.wrap_future(self.export.exporter.flush())
+                        await asyncio.wrap_future(self.export.exported(req_id))
                         flushed = True
                         events.put_back(event)
                         continue
@@ -98,8 +99,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             finally:
                 # The pages are shipped (or the receiver is gone): free the blocks for the next prompt. Dropped
                 # between steps, so no later step writes into the receiver's pool for this request.
-                self.engine.post(lambda e: e.release(req_id))
+                self.engine.post(functools.partial(self._release, req_id))
                 metrics.KV_TRANSFER_BYTES.inc(num_bytes)
+
+    def _release(self, req_id: str, engine: Engine) -> None:
+        """Engine thread: free the request's blocks; after this no step computes for it, so no export marker of it
+        comes later to forget."""
+        engine.release(req_id)
+        self.export.forget(req_id)
 
     async def OpenPool(self, request: worker_pb2.OpenPoolRequest,
                        context: grpc.aio.ServicerContext) -> worker_pb2.OpenPoolResponse:

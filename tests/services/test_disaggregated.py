@@ -210,3 +210,61 @@ async def test_a_resumed_request_chunked_on_the_prefill_worker_continues_token_e
         for worker in (prefill, decode):
             await worker.server.stop(0)
             worker.engine.close()
+
+
+async def test_a_pipelined_prompts_first_token_does_not_wait_for_the_next_steps_pages(model_folder: Path) -> None:
+    """grpc transport, prefill pipelining: prompt A fills step 1, prompt B starts in step 2 (launched before step 1 is
+    read). A's first token waits for A's pages only: with B's pages held back in the exporter, A still completes."""
+    import asyncio
+    import threading
+    from dataclasses import replace
+
+    config = engine_config(model_folder)
+    prefill = await start_worker("prefill", replace(config, scheduler=replace(config.scheduler,
+                                                                              max_num_batched_tokens=16)))
+    engine = prefill.engine
+    engine.engine.pipeline_prefill = True
+    export = prefill.servicer.export  # type: ignore[union-attr]
+    deliver = export._deliver
+    release_b = threading.Event()
+
+    def held(req_id: str, messages):  # type: ignore[no-untyped-def]
+        if req_id == "B":
+            release_b.wait(10)
+        deliver(req_id, messages)
+
+    export._deliver = held
+    gate = threading.Event()
+    engine.post(lambda e: gate.wait(10))  # both prompts are queued before the first step
+    stub = worker_pb2_grpc.PrefillStub(make_channel(prefill.address))
+    params = SamplingParams(max_tokens=4, temperature=0.0, seed=0)
+
+    async def first_token(req_id: str, prompt: list[int]) -> int:
+        async for message in stub.Prefill(worker_pb2.PrefillRequest(
+                request_id=req_id, prompt_token_ids=prompt, sampling=sampling_to_worker(params),
+                layout=layout_to_proto(engine.engine.layout))):
+            if message.HasField("first_token"):
+                return message.first_token.token_id
+        raise AssertionError("no first token")
+
+    prompt_a, prompt_b = prompts_for(512, [16, 40])
+    try:
+        tasks = []
+        for req_id, prompt in (("A", prompt_a), ("B", prompt_b)):  # queued in this order
+            tasks.append(asyncio.ensure_future(first_token(req_id, prompt)))
+            for _ in range(500):
+                if len(engine._commands) >= len(tasks):
+                    break
+                await asyncio.sleep(0.01)
+        a, b = tasks
+        gate.set()
+        token_a = await asyncio.wait_for(a, 5)
+        assert not b.done()
+        release_b.set()
+        token_b = await asyncio.wait_for(b, 10)
+        assert [token_a, token_b] == [t[0] for t in reference_tokens(model_folder, [prompt_a, prompt_b], 1)]
+    finally:
+        gate.set()
+        release_b.set()
+        await prefill.server.stop(0)
+        engine.close()
