@@ -48,12 +48,11 @@ CAP_LIFT_ENV = "TANDEM_PROMPT_CAP_LIFT"
 
 @dataclass
 class _PrefillInFlight:
-    """A prefill step launched and not read: its schedule, its launch (whose `requests` are the prompts it samples a
-    first token for) and the ids of every request it computes for."""
+    """A prefill step launched and not read: its schedule and its launch (whose `requests` are the prompts it samples
+    a first token for)."""
 
     output: SchedulerOutput
     launched: LaunchedStep
-    members: set[int]
 
 
 @dataclass
@@ -254,11 +253,7 @@ class Engine:
         if self.pipeline_prefill and self._pipelines(output):
             self._prefill_in_flight = self._launch_prefill(output)
             return self._read_prefill()
-        hook = None
-        if is_prefill and self.on_prefill_step is not None:
-            hook = self.on_prefill_step([(r, r.num_computed_tokens, n)
-                                         for r, n in zip(output.requests, output.num_new_tokens, strict=True)])
-        token_ids, logprobs = self.runner.execute(output, hook)
+        token_ids, logprobs = self.runner.execute(output, self._prefill_hook(output) if is_prefill else None)
         num_spec: list[int] = []
         sampled: list[bool] = []
         num_draft = num_accepted = 0
@@ -352,14 +347,17 @@ class Engine:
         for request in output.requests:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-        hook = None
-        if self.on_prefill_step is not None:
-            hook = self.on_prefill_step([(r, r.num_computed_tokens, n)
-                                         for r, n in zip(output.requests, output.num_new_tokens, strict=True)])
-        launched = self.runner.launch_chunks(output, hook)
+        launched = self.runner.launch_chunks(output, self._prefill_hook(output))
         sampled = self.scheduler.advance_prefill(output)
         assert [id(r) for r in sampled] == [id(r) for r in launched.requests], "sampled rows out of order"
-        return _PrefillInFlight(output, launched, {id(r) for r in output.requests})
+        return _PrefillInFlight(output, launched)
+
+    def _prefill_hook(self, output: SchedulerOutput) -> Callable[[int], None] | None:
+        """The prefill role's per-layer hand-off for a step with prompt tokens (`on_prefill_step`), if any."""
+        if self.on_prefill_step is None:
+            return None
+        return self.on_prefill_step([(r, r.num_computed_tokens, n)
+                                     for r, n in zip(output.requests, output.num_new_tokens, strict=True)])
 
     def _read_prefill(self) -> StepResult:
         """Launch the next step of prompt chunks when the scheduler has one (only prefill-only requests wait), then
@@ -393,7 +391,7 @@ class Engine:
         """Before a request's blocks go back: wait for a launched prefill step that computes for it, whose stores
         may be headed for a receiver's pool (which its caller is about to be told no write of it follows)."""
         for step in (self._prefill_reading, self._prefill_in_flight):
-            if step is not None and id(request) in step.members and step.launched.done is not None:
+            if step is not None and step.launched.done is not None and any(r is request for r in step.output.requests):
                 step.launched.done.synchronize()
 
     # -- speculative decoding ---------------------------------------------------------------------------

@@ -154,6 +154,17 @@ def slot_mapping(block_ids: list[int], start: int, end: int, block_size: int) ->
     return slots
 
 
+def chunk_plan(output: SchedulerOutput) -> tuple[list[tuple[Request, int, int]], list[int], list[Request], list[int]]:
+    """A step with prompt tokens: each (request, first position, tokens) to compute; the logits rows each takes (1 +
+    its proposals if it samples, else 0); the requests that sample, and their proposals' counts."""
+    chunks = [(r, r.num_computed_tokens, n) for r, n in zip(output.requests, output.num_new_tokens, strict=True)]
+    samples = [output.samples(i) for i in range(len(chunks))]
+    num_spec = [output.num_spec_tokens(i) for i, s in enumerate(samples) if s]
+    rows = [1 + output.num_spec_tokens(i) if s else 0 for i, s in enumerate(samples)]
+    sampling = [r for r, s in zip(output.requests, samples, strict=True) if s]
+    return chunks, rows, sampling, num_spec
+
+
 def select_ops(config: EngineConfig) -> Ops:
     device = torch.device(config.device)
     return get_ops("triton" if config.use_triton and triton_available(device) else "torch")
@@ -229,11 +240,7 @@ class ModelRunner:
             logits = self.decode_logits(output.requests)
             num_spec = [0] * len(sampling)
         else:
-            chunks = [(r, r.num_computed_tokens, n) for r, n in zip(output.requests, output.num_new_tokens,
-                                                                     strict=True)]
-            rows = [1 + output.num_spec_tokens(i) if output.samples(i) else 0 for i in range(len(chunks))]
-            sampling = [r for i, r in enumerate(output.requests) if output.samples(i)]
-            num_spec = [output.num_spec_tokens(i) for i in range(len(chunks)) if output.samples(i)]
+            chunks, rows, sampling, num_spec = chunk_plan(output)
             logits = self.chunk_logits(chunks, rows, on_layer_done)
         if not sampling:  # every chunk of the step was a partial prompt
             return [], []
@@ -345,10 +352,7 @@ class ModelRunner:
         copy to the host, without waiting; the returned step's `requests` are those whose last chunk this is (the
         rows of its tokens)."""
         with self.step_inputs():
-            chunks = [(r, r.num_computed_tokens, n)
-                      for r, n in zip(output.requests, output.num_new_tokens, strict=True)]
-            rows = [1 if output.samples(i) else 0 for i in range(len(chunks))]
-            sampling = [r for (r, _, _), row in zip(chunks, rows, strict=True) if row]
+            chunks, rows, sampling, _ = chunk_plan(output)
             logits = self.chunk_logits(chunks, rows, on_layer_done)
             if sampling:
                 token_ids, logprobs = sample(logits, SamplingTensors.from_requests(sampling, self.device))
