@@ -1121,6 +1121,13 @@ serve_one_gpu() {
         --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/$name.json"
 }
 
+# 2026-12-07 (#14): the serve benchmark colocated and disaggregated on this code (prefill pipelining on the prefill
+# worker by default). ~5.5 min.
+suite_serve14() {
+    serve_one_gpu serve-colocated --mode colocated
+    serve_one_gpu serve-disagg --mode disagg
+}
+
 # serve_two_prefill P:D...: the same with two prefill workers under each MPS cap (no MPS on the CPU: uncapped).
 serve_two_prefill() {
     local split
