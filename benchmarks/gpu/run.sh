@@ -1124,8 +1124,21 @@ serve_one_gpu() {
 # 2026-12-07 (#14): the serve benchmark colocated and disaggregated on this code (prefill pipelining on the prefill
 # worker by default). ~5.5 min.
 suite_serve14() {
-    serve_one_gpu serve-colocated --mode colocated
-    serve_one_gpu serve-disagg --mode disagg
+    local mode
+    for mode in colocated disagg; do
+        step "serve-$mode" 170 $PY -m tandem.benchmarks.serve_modes --mode $mode --model "$BIG" --device "$DEVICE" \
+            --max-num-seqs "$(n 128 8)" --rates "$(n "${SERVE14_RATES:-2,8,16,32,48}" 4)" --num-requests "$(n 128 4)" \
+            --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-$mode.json"
+    done
+}
+
+# 2026-12-07, second call: the GPU tests of prefill pipelining (their test fixed), the pacer's A/B with the stack's
+# 128-token row, #14's serve benchmark at its three highest-load rates. ~9 min.
+suite_pace14() {
+    step pipe-tests 150 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_pipeline_gpu.py \
+        tests/e2e/test_gpu_stack.py
+    suite_pacer_min
+    SERVE14_RATES=8,32,48 suite_serve14
 }
 
 # serve_two_prefill P:D...: the same with two prefill workers under each MPS cap (no MPS on the CPU: uncapped).

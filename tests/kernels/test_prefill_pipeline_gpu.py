@@ -60,15 +60,23 @@ def test_an_abort_waits_for_the_launched_step_that_computes_for_it() -> None:
     e = engine(True)
     for i, prompt in enumerate(prompts(0)):
         e.add_request(f"a{i}", prompt, PARAMS, prefill_only=True)
-    e.step()  # reads the first step, with the second launched behind it
+    def release_prefilled(requests) -> None:
+        for request in requests:
+            if request.status is RequestStatus.PREFILLED and request.output_token_ids:
+                e.release(request.req_id)
+
+    # Reads the first step, with the second launched behind it. The prompts that the first step finished are
+    # released like any other (they hold blocks until then).
+    first = e.step().requests
     in_flight = e._prefill_in_flight
     assert in_flight is not None
     member = next(r for r in in_flight.output.requests)
+    assert member.req_id not in {r.req_id for r in first if r.output_token_ids}
     e.abort(member.req_id)
     assert in_flight.launched.done is not None and in_flight.launched.done.query()
+    release_prefilled(first)
     while e.has_unfinished():
-        for request in e.step().requests:
-            assert request.req_id != member.req_id or request.status is not RequestStatus.PREFILLED
-            if request.status is RequestStatus.PREFILLED and request.output_token_ids:
-                e.release(request.req_id)
+        requests = e.step().requests
+        assert all(r.req_id != member.req_id or r.status is not RequestStatus.PREFILLED for r in requests)
+        release_prefilled(requests)
     assert e.num_free_blocks == e.num_total_blocks
