@@ -47,6 +47,7 @@ import tandem
 from tandem import LLM, SamplingParams
 from tandem.benchmarks.serve import LengthDist, default_client_processes, run_rate, workload
 from tandem.common.debug import dump_stacks_on_sigusr1
+from tandem.gateway.limits import DEFAULT_MAX_STREAM_INTERVAL
 from tandem.gateway.workers import default_num_workers
 from tandem.launcher import Stack, StackOptions, free_port, is_serving
 from tandem.models import load_model_config, load_tokenizer
@@ -311,8 +312,9 @@ def main() -> None:
                              f"CPUs between 1 and 4 (here: {default_num_workers()})")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the gateway's --stream-interval (tokens per client message after the first)")
-    parser.add_argument("--max-stream-interval", type=int, default=1,
-                        help="the gateway's --max-stream-interval (the most it goes to while saturated; 1: off)")
+    parser.add_argument("--max-stream-interval", type=int, default=DEFAULT_MAX_STREAM_INTERVAL,
+                        help="the gateway's --max-stream-interval (the most it goes to while saturated; 1: off; "
+                             "default: the gateway's)")
     parser.add_argument("--prefill-workers", type=int, default=1,
                         help="prefill workers of the stack (`tandem up --prefill`); 0: colocated, decode prefills")
     parser.add_argument("--local-prefill-max-tokens", type=int, default=0,

@@ -267,7 +267,7 @@ StreamIntervalOpt = Annotated[int, typer.Option(
 MaxStreamIntervalOpt = Annotated[int, typer.Option(
     min=1, help="Tokens per streamed message a gateway process may go up to while its event loop is saturated: it "
                 "sends fewer, larger messages instead of falling behind, and comes back to --stream-interval once it "
-                "keeps up. 1: off.")]
+                "keeps up. 1: off. Default 16 (`tandem.gateway.limits.DEFAULT_MAX_STREAM_INTERVAL`).")]
 LocalPrefillOpt = Annotated[int, typer.Option(
     min=0, help="Prompts with at most this many tokens outside the decode worker's prefix cache are prefilled by "
                 "the decode worker itself, even with prefill workers up (conditional disaggregation); 0: never.")]
@@ -311,7 +311,7 @@ def gateway(
         rich_help_panel=LimitsGroup)] = 128,
     decode_stall_timeout: DecodeStallOpt = 10.0,
     stream_interval: StreamIntervalOpt = 1,
-    max_stream_interval: MaxStreamIntervalOpt = 1,
+    max_stream_interval: MaxStreamIntervalOpt = 16,
     local_prefill_max_tokens: LocalPrefillOpt = 0,
     workers: Annotated[int, typer.Option(
         min=0, help="Gateway processes on the same ports (SO_REUSEPORT: the kernel spreads connections among them), "
@@ -454,7 +454,7 @@ def up(
         "--decode-stall-timeout", help="The gateway's --decode-stall-timeout (default: the gateway's, 10 s).",
         rich_help_panel=LimitsGroup, show_default=False)] = None,
     stream_interval: StreamIntervalOpt = 1,
-    max_stream_interval: MaxStreamIntervalOpt = 1,
+    max_stream_interval: MaxStreamIntervalOpt = 16,
     local_prefill_max_tokens: LocalPrefillOpt = 0,
     gateway_workers: Annotated[int | None, typer.Option(
         min=1, help="Gateway processes on the gateway's ports (`tandem gateway --workers`). Default: one per 4 "

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.common.config import ConfigError
 from tandem.common.paths import tandem_home
+from tandem.gateway.limits import DEFAULT_MAX_STREAM_INTERVAL
 from tandem.gateway.workers import default_num_workers
 from tandem.mps import CONTROL as MPS_CONTROL
 from tandem.mps import GpuSplit, MpsDaemon
@@ -128,7 +129,7 @@ class StackOptions:
     # The gateway's --stream-interval (tokens per streamed message after the first).
     stream_interval: int = 1
     # The gateway's --max-stream-interval (the most it goes to while saturated; 1: off).
-    max_stream_interval: int = 1
+    max_stream_interval: int = DEFAULT_MAX_STREAM_INTERVAL
     # The gateway's --local-prefill-max-tokens (prompts this short are prefilled on decode; 0: never).
     local_prefill_max_tokens: int = 0
     # Gateway processes on the gateway's ports (`tandem gateway --workers`); None: one per 4 CPUs, between 1 and 4

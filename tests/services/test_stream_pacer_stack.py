@@ -34,7 +34,7 @@ async def collect(router: Router, tag: str) -> list[tuple[list[int], int]]:
 async def test_paced_streams_are_complete_and_merged(monkeypatch: pytest.MonkeyPatch) -> None:
     decode = await start_worker("decode")
     registry = StaticRegistry([], [decode.address])
-    plain = Router(load_gateway_model(MODEL, 256), registry)
+    plain = Router(load_gateway_model(MODEL, 256), registry, limits=GatewayLimits(max_stream_interval=1))
     # No tick during the test: the interval stays where a saturated loop would have left it.
     monkeypatch.setattr(StreamPacer, "TICK_S", 3600.0)
     paced = Router(load_gateway_model(MODEL, 256), registry, limits=GatewayLimits(max_stream_interval=8))

@@ -1,17 +1,20 @@
 """The gateway's stream pacer (`--max-stream-interval`): its interval rises while the event loop is saturated and
 falls back once it keeps up, and a request's reader waits for that many tokens after its first ones (never for
-its first, its last, or an error); off unless asked for (`Router.pacer`)."""
+its first, its last, or an error); on by default (up to 16 tokens per message)."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 
 import pytest
 
+from tandem import cli
 from tandem.common.config import ConfigError
-from tandem.gateway.limits import GatewayLimits
+from tandem.gateway.limits import DEFAULT_MAX_STREAM_INTERVAL, GatewayLimits
 from tandem.gateway.sessions import RequestUpdates, StreamPacer
+from tandem.launcher import StackOptions
 from tandem.v1 import generation_pb2, worker_pb2
 
 
@@ -107,8 +110,12 @@ async def test_a_waiting_reader_is_woken_when_the_pacer_comes_down() -> None:
     assert list(merged.response.token_ids) == [2, 3]
 
 
-def test_off_by_default_and_checked() -> None:
-    assert GatewayLimits().max_stream_interval == 1
+def test_on_by_default_on_every_surface_and_checked() -> None:
+    assert DEFAULT_MAX_STREAM_INTERVAL == 16
+    assert GatewayLimits().max_stream_interval == DEFAULT_MAX_STREAM_INTERVAL
+    assert StackOptions(model="smollm2-135m").max_stream_interval == DEFAULT_MAX_STREAM_INTERVAL
+    for command in (cli.gateway, cli.up):
+        assert inspect.signature(command).parameters["max_stream_interval"].default == DEFAULT_MAX_STREAM_INTERVAL
     with pytest.raises(ConfigError, match="max_stream_interval"):
         GatewayLimits(max_stream_interval=0)
     with pytest.raises(ValueError, match="maximum"):
