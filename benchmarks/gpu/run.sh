@@ -1132,6 +1132,17 @@ suite_serve14() {
     done
 }
 
+# 2026-12-07, the least of pace14 for ~4 min of device time: the GPU tests, the 128-token row with the pacer at its new
+# default (16) and off.
+suite_pace_min() {
+    step pipe-tests 150 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_pipeline_gpu.py \
+        tests/e2e/test_gpu_stack.py
+    local m
+    for m in 16 1; do
+        stack_row "1b-128-max$m" "$SMALL" 256 128 4 --max-stream-interval $m
+    done
+}
+
 # 2026-12-07, second call: the GPU tests of prefill pipelining (their test fixed), the pacer's A/B with the stack's
 # 128-token row, #14's serve benchmark at its three highest-load rates. ~9 min.
 suite_pace14() {
