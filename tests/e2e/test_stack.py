@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,8 +42,8 @@ class RunningStack:
     def address(self, role: str) -> str:
         return str(next(s for s in self.services if s["role"] == role)["grpc"])
 
-    def metric(self, role: str, name: str) -> float:
-        return scrape_total(str(next(s for s in self.services if s["role"] == role)["http"]), name)
+    def metric(self, role: str, name: str, labels: Mapping[str, str] | None = None) -> float:
+        return scrape_total(str(next(s for s in self.services if s["role"] == role)["http"]), name, labels)
 
 
 def start_stack(tmp_path: Path, *extra: str, model: str = "smollm2-135m", num_prefill: int = 1,
