@@ -15,6 +15,7 @@ One engine serves every role:
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -34,6 +35,8 @@ from tandem.engine.request import KVMirror, Request, RequestStatus
 from tandem.engine.runner import LaunchedStep, ModelRunner
 from tandem.engine.scheduler import Scheduler, SchedulerOutput, num_blocks_for
 from tandem.engine.spec_decode import SpeculativeConfig
+
+log = logging.getLogger(__name__)
 
 # 0 or 1 over `EngineConfig.async_scheduling`: how a served stack turns it on (its workers inherit the variable),
 # and the A/B in benchmarks/gpu/run.sh.
@@ -157,8 +160,13 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         # A launched step is read even when everyone in it has ended: its pinned blocks go back then.
-        return (self._in_flight is not None or self._prefill_in_flight is not None
-                or self.scheduler.has_unfinished())
+        return self.step_in_flight or self.scheduler.has_unfinished()
+
+    @property
+    def step_in_flight(self) -> bool:
+        """A step is launched and not yet read: the next `step()` has work even if the last result was empty
+        (every member of the step it read had been aborted)."""
+        return self._in_flight is not None or self._prefill_in_flight is not None
 
     # -- admission ----------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -376,7 +384,11 @@ class Engine:
                     self._prefill_in_flight = self._launch_prefill(output)
             token_ids, logprobs = current.launched.result(self.wait_for_step)
         except BaseException:
-            # A failed step fails what is in flight too (the caller aborts every request): nothing is waited for.
+            # A failed step fails what is in flight too: the caller aborts every request (its prompts were
+            # advanced past the launched chunks, so nothing else could compute them again). Before the aborts hand
+            # blocks back, whatever those steps queued on the GPU finishes: their stores may target a receiver's
+            # pool, which is about to be told that no write of theirs follows (`_settle` no longer sees them).
+            self._drain_after_failure(current, self._prefill_in_flight)
             self._prefill_in_flight = None
             raise
         finally:
@@ -386,6 +398,18 @@ class Engine:
         kept = [(r, n) for r, n in zip(current.output.requests, current.output.num_new_tokens, strict=True)
                 if r.status in live]
         return StepResult([r for r, _ in kept], [], True, num_new_tokens=[n for _, n in kept])
+
+    def _drain_after_failure(self, *steps: _PrefillInFlight | None) -> None:
+        """Wait for the GPU work of failed launched steps, best effort: a launch that failed part-way recorded no
+        event, so the device is synchronized too; an error that poisoned the context is the caller's already."""
+        try:
+            for step in steps:
+                if step is not None and step.launched.done is not None:
+                    step.launched.done.synchronize()
+            if self.runner.device.type == "cuda":
+                torch.cuda.synchronize(self.runner.device)
+        except Exception:  # the step's own error is what propagates
+            log.exception("waiting for a failed prefill step's GPU work failed")
 
     def _settle(self, request: Request) -> None:
         """Before a request's blocks go back: wait for a launched prefill step that computes for it, whose stores

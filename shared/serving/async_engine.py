@@ -394,9 +394,10 @@ class AsyncEngine:
             if self.on_step is not None:
                 self.on_step(result, seconds)
             self._publish_step(result, seconds)
-            if not result.requests and not result.reserved:
+            if not result.requests and not result.reserved and not self.engine.step_in_flight:
                 # Nothing could run (every waiting request needs blocks that receiving requests hold): wait for a
-                # command (pages, an activation, an abort) instead of spinning.
+                # command (pages, an activation, an abort) instead of spinning. (An empty result with a step
+                # launched behind it, every member of the step read having been aborted, is read at once.)
                 self._wake.wait(timeout=0.05)
         if self.profiler is not None:
             self.profiler.close()  # a worker stopped inside the profiled range keeps what it saw

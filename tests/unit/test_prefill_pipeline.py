@@ -165,3 +165,74 @@ def test_random_arrivals_aborts_and_budgets(model_path: Path, data: st.DataObjec
     check_all_back(on)
     assert got.keys() == set(names) - aborted
     assert_same(got, serve(engine(model_path, False, budget=budget, num_blocks=64), waves, abort=aborted))
+
+
+def test_a_failed_launch_with_a_step_in_flight_gives_every_block_back_after_the_aborts(model_path: Path) -> None:
+    """The second launch fails while the first step is in flight: the step raises, the caller aborts every request
+    (as `AsyncEngine._fail_all` does), and every block comes back."""
+    e = engine(model_path, True, budget=16)
+    for i, prompt in enumerate(prompts_for(VOCAB, [10, 30, 30])):
+        e.add_request(f"r{i}", prompt, PARAMS, prefill_only=True)
+    launch = e.runner.launch_chunks
+    calls = [0]
+
+    def failing_second(output, hook=None):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("launch failed")
+        return launch(output, hook)
+
+    e.runner.launch_chunks = failing_second  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="launch failed"):
+        e.step()
+    assert calls[0] == 2 and not e.step_in_flight
+    for req_id in list(e.requests):
+        e.abort(req_id)
+    check_all_back(e)
+
+
+async def test_the_serving_loop_reads_a_launched_step_at_once_after_an_empty_result(model_path: Path) -> None:
+    """Every member of the step read was aborted while the next step was launched: the step's result is empty, and
+    the serving loop must read the launched one at once rather than idle as if nothing could run (it waited 50 ms)."""
+    import asyncio
+    import time
+
+    from tandem.serving.async_engine import AsyncEngine
+
+    e = engine(model_path, True, budget=16)
+    steps: list[tuple[float, float, list[str]]] = []
+    step = e.step
+
+    def recording_step():  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        result = step()
+        steps.append((start, time.perf_counter(), [r.req_id for r in result.requests]))
+        if len(steps) == 1:  # r0 read with r1's step launched behind it: release r0, abort r1 (only it is in flight)
+            assert e._prefill_in_flight is not None
+            assert [r.req_id for r in e._prefill_in_flight.output.requests] == ["r1"]
+            for request in result.requests:
+                e.release(request.req_id)
+            e.abort("r1")
+        elif not e.step_in_flight:
+            for req_id in list(e.requests):
+                e.release(req_id)
+        return result
+
+    e.step = recording_step  # type: ignore[method-assign]
+    served = AsyncEngine(e)
+    try:
+        def add(core: Engine) -> None:
+            for i, prompt in enumerate(prompts_for(VOCAB, [16, 16, 16])):
+                core.add_request(f"r{i}", prompt, PARAMS, prefill_only=True)
+
+        await served.call(add)
+        for _ in range(300):
+            if len(steps) >= 3:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        served.close()
+    assert len(steps) >= 3, steps
+    assert steps[1][2] == []  # r1's step: its only member aborted
+    assert steps[2][2] == ["r2"]
+    assert steps[2][0] - steps[1][1] < 0.025, f"{(steps[2][0] - steps[1][1]) * 1e3:.1f} ms before reading r2's step"
