@@ -356,25 +356,26 @@ class Router:
             # A prompt decode holds whole (but its last token) never reaches the prefill worker.
             if prefill is not None and decode_choice.matched_blocks < prompt.num_lookup_blocks(decode):
                 self.kv_router.place(prefill, prompt)
-            if prefill_choice is None:
-                prefill_reason = "no prefill worker with the decode worker's KV layout: decode prefills locally"
-            elif local_reason:
-                prefill_reason = (f"{uncached} uncached prompt tokens <= local_prefill_max_tokens {local_max}: "
-                                  "decode prefills locally")
-            else:
-                prefill_reason = prefill_choice.reason
-            span.set_attributes({
-                "tandem.route.decode": decode.address, "tandem.route.prefill": prefill.address if prefill else "",
-                "tandem.route.num_decode": len(decodes), "tandem.route.num_prefill": len(prefills),
-                "tandem.route.decode_free_blocks": decode.num_free_blocks,
-                "tandem.route.decode_queue_depth": decode.queue_depth,
-                "tandem.route.prompt_blocks": decode_choice.prompt_blocks,
-                "tandem.route.cache_aware": decode_choice.is_cache_aware,
-                "tandem.route.decode_matched_blocks": decode_choice.matched_blocks,
-                "tandem.route.prefill_matched_blocks": prefill_choice.matched_blocks if prefill_choice else 0,
-                "tandem.route.decode_candidates": _traced(decode_choice),
-                "tandem.route.prefill_candidates": _traced(prefill_choice) if prefill_choice else [],
-                "tandem.route.reason": f"decode: {decode_choice.reason}; prefill: {prefill_reason}"})
+            if span.is_recording():  # an unsampled request skips formatting what no one would read
+                if prefill_choice is None:
+                    prefill_reason = "no prefill worker with the decode worker's KV layout: decode prefills locally"
+                elif local_reason:
+                    prefill_reason = (f"{uncached} uncached prompt tokens <= local_prefill_max_tokens {local_max}: "
+                                      "decode prefills locally")
+                else:
+                    prefill_reason = prefill_choice.reason
+                span.set_attributes({
+                    "tandem.route.decode": decode.address, "tandem.route.prefill": prefill.address if prefill else "",
+                    "tandem.route.num_decode": len(decodes), "tandem.route.num_prefill": len(prefills),
+                    "tandem.route.decode_free_blocks": decode.num_free_blocks,
+                    "tandem.route.decode_queue_depth": decode.queue_depth,
+                    "tandem.route.prompt_blocks": decode_choice.prompt_blocks,
+                    "tandem.route.cache_aware": decode_choice.is_cache_aware,
+                    "tandem.route.decode_matched_blocks": decode_choice.matched_blocks,
+                    "tandem.route.prefill_matched_blocks": prefill_choice.matched_blocks if prefill_choice else 0,
+                    "tandem.route.decode_candidates": _traced(decode_choice),
+                    "tandem.route.prefill_candidates": _traced(prefill_choice) if prefill_choice else [],
+                    "tandem.route.reason": f"decode: {decode_choice.reason}; prefill: {prefill_reason}"})
             return prefill, decode, local_reason
 
     @staticmethod
