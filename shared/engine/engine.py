@@ -388,7 +388,7 @@ class Engine:
             # advanced past the launched chunks, so nothing else could compute them again). Before the aborts hand
             # blocks back, whatever those steps queued on the GPU finishes: their stores may target a receiver's
             # pool, which is about to be told that no write of theirs follows (`_settle` no longer sees them).
-            self._drain_after_failure(current, self._prefill_in_flight)
+            self._drain_after_failure()
             self._prefill_in_flight = None
             raise
         finally:
@@ -399,15 +399,13 @@ class Engine:
                 if r.status in live]
         return StepResult([r for r, _ in kept], [], True, num_new_tokens=[n for _, n in kept])
 
-    def _drain_after_failure(self, *steps: _PrefillInFlight | None) -> None:
-        """Wait for the GPU work of failed launched steps, best effort: a launch that failed part-way recorded no
-        event, so the device is synchronized too; an error that poisoned the context is the caller's already."""
+    def _drain_after_failure(self) -> None:
+        """Wait for the GPU work of failed launched steps, best effort: the whole device, since a launch that failed
+        part-way recorded no event; an error that poisoned the context is the caller's already."""
+        if self.runner.device.type != "cuda":
+            return
         try:
-            for step in steps:
-                if step is not None and step.launched.done is not None:
-                    step.launched.done.synchronize()
-            if self.runner.device.type == "cuda":
-                torch.cuda.synchronize(self.runner.device)
+            torch.cuda.synchronize(self.runner.device)
         except Exception:  # the step's own error is what propagates
             log.exception("waiting for a failed prefill step's GPU work failed")
 
