@@ -1132,6 +1132,17 @@ suite_serve14() {
     done
 }
 
+# 2026-12-07, third session (#14, #15): the serve benchmark both ways on this code, then where a pipelined burst of the
+# 128-token stack row goes (spans of every service, span_phases). ~7.5 min.
+suite_serve14_tl() {
+    suite_serve14
+    KEEP_LOGS=1 OTEL_TRACES_EXPORTER=console stack_row "1b-128-spans" "$SMALL" 256 128 4
+    local logs
+    logs=$(ls -td "${TANDEM_HOME:-$HOME/.cache/tandem}"/logs/*/ | head -1)
+    step "timeline-1b-128" 60 $PY -m tandem.benchmarks.span_phases "$logs" --burst "$(n 256 8)" \
+        --out "$OUT/timeline-1b-128.json"
+}
+
 # 2026-12-07, the least of pace14 for ~4 min of device time: the GPU tests, the 128-token row with the pacer at its new
 # default (16) and off.
 suite_pace_min() {
