@@ -1143,6 +1143,14 @@ suite_serve14_tl() {
         --out "$OUT/timeline-1b-128.json"
 }
 
+# 2026-12-07, third session (#18): the decode step table (every variant, batch 1 / 64 / 256), then where a batch-1 step's
+# time goes (torch.profiler: device time per kernel, device busy against wall) for bf16 and int8. ~4 min.
+suite_q18() {
+    step quant2-step 200 $TI $PY -m tandem.benchmarks.quant decode-latency $DRY --model "$BIG" \
+        --variants bf16,int8,fp8,fp8+fp8kv --batches "$(n 1,64,256 1,4)" --steps "$(n 50 3)" --out "$OUT/quant2-step"
+    suite_quant_profile
+}
+
 # 2026-12-07, the least of pace14 for ~4 min of device time: the GPU tests, the 128-token row with the pacer at its new
 # default (16) and off.
 suite_pace_min() {
