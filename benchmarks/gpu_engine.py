@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -79,6 +80,8 @@ def environment() -> dict[str, Any]:
         env["triton"] = None
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
+    # The kernel switches read from the environment (their defaults when unset).
+    env["switches"] = {name: value for name, value in sorted(os.environ.items()) if name.startswith("TANDEM_")}
     return env
 
 

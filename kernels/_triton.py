@@ -7,6 +7,7 @@ installs; the wrappers call `check_launchable` first to fail with a clear messag
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,14 @@ except ImportError:  # CPU-only install: only the references are usable.
 
     triton = _TritonStub()  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]  # only named in string annotations, never evaluated
+
+# Programmatic dependent launch (Hopper and later): Triton's grid-dependency-control ops, where this Triton has them.
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:
+    HAS_GDC = False
 
 # Triton decides at decoration time (our import) whether kernels run in its interpreter; read the
 # same switch once here so the wrappers agree with it.
@@ -69,3 +78,50 @@ def check_out(op: str, out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs to tl.dot default to TF32 on GPU; ask for full precision so fp32 matches the ref."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# -- programmatic dependent launch ----------------------------------------------------------------------------
+# A decode step is a chain of small dependent kernels (~10 per layer at batch 1); between two of them the GPU drains
+# one grid, then launches and ramps up the next. With PDL (sm_90+) a kernel launched with `launch_pdl=True` may start
+# while its predecessor finishes: each program first waits for the whole previous grid (`gdc_wait`: its writes
+# visible), then lets the next kernel launch (`gdc_launch_dependents`), so what overlaps is the launch and the tail,
+# never a read of unfinished data or a write over data still being read. Every kernel on the decode path takes
+# `USE_PDL` and calls `pdl_prologue(USE_PDL)` before touching global memory; a kernel launched with PDL that skipped
+# the wait would race. Off unless $TANDEM_PDL=1 (until measured on the GPU).
+PDL_ENV = "TANDEM_PDL"
+
+
+@functools.lru_cache(maxsize=1)
+def pdl_requested() -> bool:
+    """$TANDEM_PDL: "1" turns programmatic dependent launch on where the device has it, "0" or unset leaves it off
+    (read once; `pdl_requested.cache_clear()` re-reads)."""
+    raw = os.environ.get(PDL_ENV, "0").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"${PDL_ENV}={raw!r} must be 0 or 1")
+    return raw == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def _device_has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: requested, a CUDA device of compute capability 9.0 or more, and a
+    Triton with the grid-dependency ops (never in the interpreter). The kernel's `USE_PDL` and its launch's
+    `launch_pdl` take this same value."""
+    if not (pdl_requested() and HAS_TRITON and HAS_GDC and not IS_INTERPRETING and device.type == "cuda"):
+        return False
+    return _device_has_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
+if HAS_TRITON:
+    @triton.jit
+    def pdl_prologue(USE_PDL: tl.constexpr):
+        """First thing in a kernel launched with PDL: wait for the previous grid, then let the next one launch."""
+        if USE_PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+else:
+    def pdl_prologue(USE_PDL: Any) -> None:  # noqa: N803 - the kernels' constexpr name
+        raise RuntimeError("triton is not installed")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, tl, triton
+from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, pdl_prologue, tl, triton, use_pdl
 from tandem.kernels.rms_norm import _rms_normalize, rms_norm_ref, row_block_config
 
 
@@ -14,7 +14,9 @@ def _fused_add_rms_norm_kernel(
     stride_x, stride_residual,
     hidden_size, eps,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     # In place: each program reads its row of both inputs before it writes that row.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -47,9 +49,10 @@ def fused_add_rms_norm_triton(
     if num_tokens == 0:
         return x, residual
     block_h, num_warps = row_block_config("fused_add_rms_norm", hidden_size, x.element_size())
+    pdl = use_pdl(x.device)
     _fused_add_rms_norm_kernel[(num_tokens,)](
         x, residual, weight, x.stride(0), residual.stride(0), hidden_size, eps,
-        BLOCK_H=block_h, num_warps=num_warps,
+        BLOCK_H=block_h, USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
     )
     return x, residual
 

@@ -16,7 +16,16 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, check_out, dot_precision, tl, triton
+from tandem.kernels._triton import (
+    check_last_dim_contiguous,
+    check_launchable,
+    check_out,
+    dot_precision,
+    pdl_prologue,
+    tl,
+    triton,
+    use_pdl,
+)
 from tandem.kernels.fp8_kv import check_kv_cache, dequantize_kv, gather_pages
 
 _LOG2E = 1.4426950408889634
@@ -75,7 +84,9 @@ def _paged_decode_attention_kernel(
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
     COMBINE_IN_KERNEL: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -192,7 +203,9 @@ def _combine_splits_kernel(
     stride_ls, stride_lh,
     stride_os, stride_oh,
     BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     # Grid (S, Hq).
     _combine_head(partial_ptr, lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1),
                   num_splits, head_dim, stride_ps, stride_ph, stride_psplit, stride_ls, stride_lh,
@@ -312,6 +325,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     counters = None
     if combine_in_kernel and not is_single_split:
         counters = _split_counters(q.device, num_seqs * num_kv_heads)
+    pdl = use_pdl(q.device)
     _paged_decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         k_scale if is_fp8 else context_lens, v_scale if is_fp8 else context_lens,  # unread unless fp8
@@ -327,13 +341,13 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         IS_SINGLE_SPLIT=is_single_split, IS_FP8=is_fp8, DOT_PRECISION=dot_precision(q.dtype),
         COMBINE_IN_KERNEL=counters is not None,
         BLOCK_SPLITS=1 if counters is None else triton.next_power_of_2(num_splits),
-        num_warps=num_warps, num_stages=num_stages,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages,
     )
     if not is_single_split and counters is None:
         _combine_splits_kernel[(num_seqs, num_q_heads)](
             partial, lse, out, num_splits, head_dim,
             *partial_strides, *lse_strides, out.stride(0), out.stride(1),
-            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d, USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
         )
     return out
 

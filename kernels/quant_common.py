@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from tandem.kernels._triton import tl, triton
+from tandem.kernels._triton import pdl_prologue, tl, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -95,7 +95,9 @@ def sum_splits_kernel(
     N, num_splits,
     stride_ps, stride_pm, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     # Grid (M, N blocks): sums the K splits in a fixed order, so results do not depend on timing
     # (atomics would), then bias and the cast to the output dtype.
     row = tl.program_id(0).to(tl.int64)

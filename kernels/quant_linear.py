@@ -70,7 +70,15 @@ from typing import NamedTuple
 
 import torch
 
-from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
+from tandem.kernels._triton import (
+    check_last_dim_contiguous,
+    check_launchable,
+    dot_precision,
+    pdl_prologue,
+    tl,
+    triton,
+    use_pdl,
+)
 from tandem.kernels.quant_common import (
     ACTIVATION_DTYPES,
     FP8_DTYPE,
@@ -235,7 +243,9 @@ def _int8_linear_kernel(
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INT8_BITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     # Grid (M blocks, N blocks, K splits). Consecutive programs share an N block (its weight tile) and
     # differ in M, so at prefill a weight tile is fetched from HBM once and re-read from L2.
     pid_m = tl.program_id(0)
@@ -380,6 +390,7 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     target = out if is_single_split else torch.empty((split_k, m, n), device=x.device, dtype=torch.float32)
     bias_arg = bias if bias is not None else scales  # never read when HAS_BIAS is False
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), split_k)
+    pdl = use_pdl(x.device)
     _int8_linear_kernel[grid](
         x, qweight, scales, bias_arg, target,
         m, n, k, k_per_split,
@@ -388,13 +399,14 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, IS_SINGLE_SPLIT=is_single_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION=dot_precision(x.dtype), INT8_BITS=cfg.int8_bits,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not is_single_split:
         block_n = 256
         sum_splits_kernel[(m, triton.cdiv(n, block_n))](
             target, bias_arg, out, n, split_k, target.stride(0), target.stride(1), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_S=triton.next_power_of_2(split_k), BLOCK_N=block_n, num_warps=4,
+            HAS_BIAS=bias is not None, BLOCK_S=triton.next_power_of_2(split_k), BLOCK_N=block_n,
+            USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
         )
     return out
 
@@ -479,7 +491,9 @@ def _fp8_linear_kernel(
     stride_am, stride_bn, stride_om,
     HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr, MAX_IMPRECISE_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     # 1-D grid in GROUP_M-row bands (Triton's matmul tutorial): programs running together share
     # A rows and B columns in L2.
     pid = tl.program_id(0)
@@ -544,7 +558,9 @@ def _fp8_quantize_rows_kernel(
     x_ptr, q_ptr, scales_ptr,
     K, stride_xm, stride_qm, min_amax,
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     # One program per row: a pass for the absmax, a pass to scale, round and store (x is re-read from
     # L2). Same arithmetic as `_fp8_quantize_rows`: scale = absmax * fl32(1/448), IEEE division by it,
     # clamp, round to nearest even.
@@ -580,9 +596,11 @@ def quantize_fp8_activation_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch
         return qx, scales
     # 2048 elements per step: 8 per thread at 8 warps, 16-byte loads of bf16.
     block_k = min(2048, max(triton.next_power_of_2(k), 16))
+    pdl = use_pdl(x.device)
     _fp8_quantize_rows_kernel[(m,)](
         x, qx.view(torch.uint8), scales, k, x.stride(0), k, _MIN_AMAX,
-        FP8_MAX=FP8_MAX, INV_FP8_MAX=_INV_FP8_MAX, BLOCK_K=block_k, num_warps=8 if block_k >= 2048 else 4,
+        FP8_MAX=FP8_MAX, INV_FP8_MAX=_INV_FP8_MAX, BLOCK_K=block_k,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=8 if block_k >= 2048 else 4,
     )
     return qx, scales
 
@@ -659,12 +677,13 @@ def fp8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, w_scales: torch.Te
     if cfg.max_imprecise_acc is not None and not 0 <= cfg.max_imprecise_acc <= cfg.block_k:
         raise ValueError(f"fp8_linear: config {cfg} invalid (max_imprecise_acc must lie in [0, block_k])")
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    pdl = use_pdl(x.device)
     _fp8_linear_kernel[grid](
         qx, qweight, x_scales, w_scales.contiguous(), bias if bias is not None else w_scales, out,
         m, n, k, qx.stride(0), qweight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GROUP_M=8, MAX_IMPRECISE_ACC=cfg.max_imprecise_acc,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -10,7 +10,15 @@ from typing import NamedTuple
 
 import torch
 
-from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, dot_precision, tl, triton
+from tandem.kernels._triton import (
+    check_last_dim_contiguous,
+    check_launchable,
+    dot_precision,
+    pdl_prologue,
+    tl,
+    triton,
+    use_pdl,
+)
 from tandem.kernels.quant_common import (
     FP8_DTYPE,
     check_linear_args,
@@ -214,7 +222,9 @@ def _small_m_linear_kernel(
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr, INT8_BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     # Grid (N tiles, K slices); one M tile holds every row (M <= BLOCK_M). Rows past M / N read a valid row
     # instead (their results are never stored): no row masks in the loop. EVEN_K: every slice is whole K tiles.
     pid_n = tl.program_id(0)
@@ -366,6 +376,7 @@ def small_m_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     partial = scales if is_single_split else torch.empty((split_k, m, n), device=x.device, dtype=torch.float32)
     bias_arg = bias if bias is not None else scales  # never read when HAS_BIAS is False
     w_arg = qweight.view(torch.uint8) if is_fp8 else qweight  # fp8 read as bytes: masked lanes load 0 = +0.0
+    pdl = use_pdl(x.device)
     _small_m_linear_kernel[(tiles_n, split_k)](
         x, w_arg, scales, bias_arg, out, partial, counters if fused else scales,
         m, n, k, k_per_split, split_k,
@@ -373,13 +384,14 @@ def small_m_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, IS_SINGLE_SPLIT=is_single_split, FUSED_REDUCE=fused,
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, W_FP8=is_fp8, INT8_BITS=cfg.int8_bits and not is_fp8,
         DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not is_single_split and not fused:
         block_n = 256
         sum_splits_kernel[(m, triton.cdiv(n, block_n))](
             partial, bias_arg, out, n, split_k, partial.stride(0), partial.stride(1), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_S=triton.next_power_of_2(split_k), BLOCK_N=block_n, num_warps=4,
+            HAS_BIAS=bias is not None, BLOCK_S=triton.next_power_of_2(split_k), BLOCK_N=block_n,
+            USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
         )
     return out
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, tl, triton
+from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, pdl_prologue, tl, triton, use_pdl
 
 
 @triton.jit
@@ -22,7 +22,9 @@ def _rms_norm_kernel(
     stride_x, stride_out,
     hidden_size, eps,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     # One program per row: a row (≤ 32k elements) fits in registers, so x is read exactly once.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -53,8 +55,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if num_tokens == 0:
         return out
     block_h, num_warps = row_block_config("rms_norm", hidden_size, x.element_size())
+    pdl = use_pdl(x.device)
     _rms_norm_kernel[(num_tokens,)](
-        x, weight, out, x.stride(0), out.stride(0), hidden_size, eps, BLOCK_H=block_h, num_warps=num_warps,
+        x, weight, out, x.stride(0), out.stride(0), hidden_size, eps, BLOCK_H=block_h,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
     )
     return out
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, tl, triton
+from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, pdl_prologue, tl, triton, use_pdl
 from tandem.kernels.rotary_embedding import check_shapes as check_rotary_shapes
 from tandem.kernels.rotary_embedding import load_cos_sin, rotary_embedding_ref, rotate_heads
 from tandem.kernels.store_kv import cache_arg, store_kv_ref, store_kv_tile
@@ -39,7 +39,9 @@ def _rope_store_kv_kernel(
     stride_vc_block, stride_vc_offset, stride_vc_head,
     num_q_heads, num_kv_heads, half_dim, block_size,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     # One program per token; every tile is [heads, D/2], the two halves of the head dimension.
     token = tl.program_id(0).to(tl.int64)
     cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, token, stride_cos_sin, half_dim, BLOCK_HALF)  # [1, D/2]
@@ -98,6 +100,7 @@ def rope_store_kv_triton(
     if num_tokens == 0:
         return q, k
     half_dim = head_dim // 2
+    pdl = use_pdl(q.device)
     _rope_store_kv_kernel[(num_tokens,)](
         positions, q, k, v, cos_sin_cache, cache_arg(k_cache, is_fp8), cache_arg(v_cache, is_fp8), slot_mapping,
         k_scale if is_fp8 else slot_mapping, v_scale if is_fp8 else slot_mapping,  # unread unless fp8
@@ -106,7 +109,7 @@ def rope_store_kv_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_q_heads, num_kv_heads, half_dim, k_cache.shape[1],
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half_dim), IS_FP8=is_fp8, num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(half_dim), IS_FP8=is_fp8, USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
     )
     return q, k
 

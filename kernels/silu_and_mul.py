@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, tl, triton
+from tandem.kernels._triton import check_last_dim_contiguous, check_launchable, pdl_prologue, tl, triton, use_pdl
 
 
 @triton.jit
@@ -14,7 +14,9 @@ def _silu_and_mul_kernel(
     stride_x, stride_out,
     intermediate_size,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     # Grid (T, column blocks): rows of 14k columns are split so short batches still fill the GPU.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -39,8 +41,9 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(intermediate_size), 1024)
     grid = (num_tokens, triton.cdiv(intermediate_size, block))
+    pdl = use_pdl(x.device)
     _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), intermediate_size,
-                               BLOCK=block, num_warps=4)
+                               BLOCK=block, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
     return out
 
 

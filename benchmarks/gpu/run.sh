@@ -1151,6 +1151,24 @@ suite_q18() {
     suite_quant_profile
 }
 
+# 2026-12-07, third session (#18): programmatic dependent launch ($TANDEM_PDL). Its GPU test (the same tokens and
+# logprobs on and off, bf16 / int8 / fp8, CUDA graphs), the decode step off / on / off / on (bf16, int8, fp8 at batch
+# 1 / 64), int8's small-M kernel with integer-op conversion under PDL, then where a batch-1 step's time goes
+# (torch.profiler, PDL off) for bf16 and int8. ~8 min.
+suite_pdl() {
+    step pdl-tests 200 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_pdl_gpu.py
+    local Q="$TI $PY -m tandem.benchmarks.quant" i p
+    for i in 1 2; do
+        for p in 0 1; do
+            step "pdl$p-step-$i" 150 env TANDEM_PDL=$p $Q decode-latency $DRY --model "$BIG" --variants bf16,int8,fp8 \
+                --batches "$(n 1,64 1,4)" --steps "$(n 50 3)" --out "$OUT/pdl$p-step-$i"
+        done
+    done
+    step pdl1-int8-sm16-b1 90 env TANDEM_PDL=1 TANDEM_QUANT_SMALL_M=16 TANDEM_QUANT_INT8_BITS=1 $Q decode-latency \
+        $DRY --model "$BIG" --variants int8 --batches "$(n 1,16,64 1,4)" --steps "$(n 50 3)" --out "$OUT/pdl1-int8-sm16-b1"
+    suite_quant_profile
+}
+
 # 2026-12-07, the least of pace14 for ~4 min of device time: the GPU tests, the 128-token row with the pacer at its new
 # default (16) and off.
 suite_pace_min() {
