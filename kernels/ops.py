@@ -11,6 +11,10 @@ decode-latency --fusions ...`); the model's code does not change with them:
     attn_combine  paged_decode_attention with context splits: the last split of each (sequence, kv head) merges
                   them in the split kernel (unfused: a second, combine kernel). Opt-in, not in "all": on an H200
                   it matched the reference path but was 3-6% slower per decode step (results README, fusions)
+    norm_linear   the RMSNorm (and its residual add) before a layer's qkv and gate_up projections inside the
+                  projection's launch, where the projection can take it: a quantized layer's small-M GEMV at one
+                  token (`QuantizedLinear.add_norm_forward`; each program recomputes the row's RMS). Opt-in until
+                  measured on a GPU (`benchmarks/gpu/run.sh pdl`)
 
 `get_ops("triton", fusions)` takes "all" (rope_store and add_norm: the default), "none", or names joined by "," or
 "+" ("all+attn_combine"); without `fusions`, from $TANDEM_FUSIONS (the same syntax), which reaches every engine a
@@ -39,7 +43,7 @@ from tandem.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 from tandem.kernels.store_kv import store_kv_ref, store_kv_triton
 
 FUSIONS = ("rope_store", "add_norm")  # "all", in this order
-OPT_IN_FUSIONS = ("attn_combine",)  # only when named
+OPT_IN_FUSIONS = ("attn_combine", "norm_linear")  # only when named
 FUSIONS_ENV = "TANDEM_FUSIONS"
 
 

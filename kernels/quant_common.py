@@ -51,17 +51,21 @@ def check_linear_args(op: str, x: torch.Tensor, qweight: torch.Tensor, scales: t
 # converts 16 values per clock per SM with I2F (the CUDA guide's throughput table; fp32 FMA: 128): ~4.2 T/s on an
 # H200's 132 SMs at 1.98 GHz, below the 4.8 T/s at which HBM delivers int8 weights, so a GEMV that converts every
 # weight once can be bound by the conversion rather than the memory. Results are bitwise the same either way.
-INT8_BITS_ENV = "TANDEM_QUANT_INT8_BITS"  # 1: the integer-op conversion, 0: I2F (default: INT8_BITS_DEFAULT)
-INT8_BITS_DEFAULT = False
+# The defaults differ by kernel, as measured: the large-M GEMM keeps I2F (offline int8 on an H200, 256 x (1,024, 128):
+# 2,576 tok/s with it, 2,295 without); the small-M GEMV at M = 1 converts by integer ops (llama-3.1-8b decode step at
+# batch 1 on an H100, two sessions: 4.25 / 4.26 ms against 4.51 / 4.46 with the GEMM; the GEMV with I2F 4.51 / 4.52).
+INT8_BITS_ENV = "TANDEM_QUANT_INT8_BITS"  # 1: the integer-op conversion, 0: I2F, in every int8 kernel
+INT8_BITS_DEFAULT = False  # the large-M GEMM (`quant_linear._int8_linear_kernel`)
+SMALL_M_INT8_BITS_DEFAULT = True  # the small-M GEMV (`quant_small_m._small_m_linear_kernel`)
 
 
-@functools.lru_cache(maxsize=1)
-def int8_bits_default() -> bool:
-    """Whether int8 kernels convert by integer ops: $TANDEM_QUANT_INT8_BITS (0 / 1), else INT8_BITS_DEFAULT. Read
-    once (`int8_bits_default.cache_clear()` re-reads)."""
+@functools.lru_cache(maxsize=2)
+def int8_bits_default(default: bool = INT8_BITS_DEFAULT) -> bool:
+    """Whether an int8 kernel converts by integer ops: $TANDEM_QUANT_INT8_BITS (0 / 1), else the kernel's `default`
+    (INT8_BITS_DEFAULT or SMALL_M_INT8_BITS_DEFAULT). Read once (`int8_bits_default.cache_clear()` re-reads)."""
     raw = os.environ.get(INT8_BITS_ENV, "").strip()
     if not raw:
-        return INT8_BITS_DEFAULT
+        return default
     if raw not in ("0", "1"):
         raise ValueError(f"${INT8_BITS_ENV}={raw!r} must be 0 or 1")
     return raw == "1"

@@ -14,7 +14,7 @@ a one-launch Triton kernel (bit-identical to the torch quantizer, on CUDA and in
 GEMM multiplies the fp8 operands on Hopper's fp8 tensor cores, fp32 accumulation, and scales by
 x_scale[m] * w_scale[n] in the epilogue.
 
-Small M (decode; by default fp8 at M <= 4 and never int8, as measured: SMALL_M_DEFAULT_MAX_M;
+Small M (decode; by default fp8 at M <= 4 and int8 at M = 1, as measured: SMALL_M_DEFAULT_MAX_M;
 $TANDEM_QUANT_SMALL_M=N sends M <= N of both kinds, 0 turns it off): `small_m_linear_triton` runs instead, a
 weight-only GEMV / skinny GEMM (1-byte weights converted in registers, activations as given, so fp8 skips the
 activation quantization there; split-K over ~all SMs with the partials reduced in the same launch). Why, and the
@@ -357,7 +357,7 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     [N] or [N, K // group_size], bias [N] or None -> x @ dequant(qweight).T + bias, [M, N] in x.dtype.
 
     Accumulates in fp32. Group-wise scales need group_size to be a multiple of 16. Small M (`use_small_m`:
-    M <= $TANDEM_QUANT_SMALL_M, by default never for int8, measured slower; `small_m` True / False forces it on /
+    M <= $TANDEM_QUANT_SMALL_M, by default M = 1 for int8; `small_m` True / False forces it on /
     off) runs `small_m_linear_triton`, larger M `_int8_linear_kernel`. `config` overrides the launch settings and
     picks the kernel by its type (`small_m_launch_config` / `int8_launch_config`: pure functions of the shapes, so a
     CUDA graph fixes them at capture); `workspace`: see `small_m_linear_triton`.

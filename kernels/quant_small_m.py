@@ -21,6 +21,7 @@ from tandem.kernels._triton import (
 )
 from tandem.kernels.quant_common import (
     FP8_DTYPE,
+    SMALL_M_INT8_BITS_DEFAULT,
     check_linear_args,
     int8_bits_default,
     int8_to_float32,
@@ -73,11 +74,13 @@ FUSED_REDUCE_ENV = "TANDEM_QUANT_FUSED_REDUCE"  # 0: split-K partials summed by 
 PROGRAMS_PER_SM_ENV = "TANDEM_QUANT_PROGRAMS_PER_SM"  # split-K target; default 4 (CUDA cores) / 2 (tensor cores)
 
 
-# The largest M that takes the small-M path by default, per kind, as measured on an H200 (llama-3.1-8b's four
-# projections per layer, `benchmarks/results/h200-2026-12-01/quant-gemv.json`): fp8 at M=1 78.7 us against the
-# W8A8 path's 129.6 (a decode step 5.27 -> 3.64 ms), at M=4 and 16 even (114 vs 116, 115 vs 115); int8 slower at
-# every M (M=1 96.6 vs 86.6 us, M=4 109 vs 79): the older kernel stays.
-SMALL_M_DEFAULT_MAX_M = {"fp8": 4, "int8": 0}
+# The largest M that takes the small-M path by default, per kind. fp8, as measured on an H200 (llama-3.1-8b's four
+# projections per layer, `benchmarks/results/h200-2026-12-01/quant-gemv.json`): at M=1 78.7 us against the W8A8
+# path's 129.6 (a decode step 5.27 -> 3.64 ms), at M=4 and 16 even (114 vs 116, 115 vs 115). int8 at M=1 only, with
+# the integer-op conversion (SMALL_M_INT8_BITS_DEFAULT): the 8B decode step at batch 1 on an H100 4.25 / 4.26 ms
+# against the GEMM's 4.51 / 4.46 (two sessions; the GEMV with I2F was not faster, 4.51 / 4.52); at M=4 and 16 the
+# GEMM wins (H200 GEMV sums 78.7 / 79.9 us against 103.7 / 103.5).
+SMALL_M_DEFAULT_MAX_M = {"fp8": 4, "int8": 1}
 
 
 class SmallMSettings(NamedTuple):
@@ -215,6 +218,46 @@ class SmallMWorkspace:
 
 
 @triton.jit
+def _add_residual(x_ptr, res_ptr, cols, mask):
+    """x + residual at `cols` of row 0, rounded to x's dtype as HF adds them (in the model dtype), as fp32."""
+    h = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    h += tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return h.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _row_rstd(x_ptr, res_ptr, K, eps, offs_k, ADD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(h^2) + eps) of row 0's h = x (+ residual with ADD), over all K: every program of a fused
+    norm + linear computes it for itself (the row is 2-4 bytes x K, read from L2), so no launch comes between the
+    norm and the projection."""
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        cols = k + offs_k
+        if ADD:
+            h = _add_residual(x_ptr, res_ptr, cols, cols < K)
+        else:
+            h = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        squares += h * h
+    return tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+
+
+@triton.jit
+def _normed_tile(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, cols, k_end, rstd, store_residual, ADD: tl.constexpr):
+    """Row 0's normalized activations at `cols` (as `kernels.rms_norm` rounds them: to x's dtype before and after
+    the weight), with ADD the residual added first and the sum stored as the new residual at the columns below
+    `store_residual` (K in the first N tile's programs, 0 elsewhere: one program writes each column)."""
+    mask = cols < k_end
+    if ADD:
+        h = _add_residual(x_ptr, res_ptr, cols, mask)
+        tl.store(new_res_ptr + cols, h.to(new_res_ptr.dtype.element_ty), mask=mask & (cols < store_residual))
+    else:
+        h = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return (normed * weight).to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _small_m_linear_kernel(
     x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counters_ptr,
     M, N, K, k_per_split, num_splits,
@@ -223,6 +266,7 @@ def _small_m_linear_kernel(
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr, INT8_BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    res_ptr, norm_w_ptr, new_res_ptr, eps, NORM: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     # Grid (N tiles, K slices); one M tile holds every row (M <= BLOCK_M). Rows past M / N read a valid row
@@ -232,6 +276,8 @@ def _small_m_linear_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    if NORM > 0:  # M = 1 on the CUDA cores: the row's RMS over all of K (L2-resident), before this slice's loop
+        rstd = _row_rstd(x_ptr, res_ptr, K, eps, offs_k, NORM == 2, BLOCK_K)
     rows_x = (offs_m % M).to(tl.int64)
     rows_w = (offs_n % N).to(tl.int64)
     k_start = pid_k * k_per_split
@@ -256,7 +302,10 @@ def _small_m_linear_kernel(
             w = w.to(tl.float8e4nv, bitcast=True)
         elif INT8_BITS:  # int8 -> fp32 without I2F (masked lanes 0 -> 0.0); the .to() below are then no-ops
             w = int8_to_float32(w)
-        if BLOCK_M == 1 and not USE_DOT:  # one activation row, [BLOCK_K]
+        if NORM > 0:  # the activation row normalized here (and the new residual stored by the first N tile)
+            x = _normed_tile(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, k + offs_k, k_end, rstd,
+                             tl.where(pid_n == 0, K, 0), NORM == 2)
+        elif BLOCK_M == 1 and not USE_DOT:  # one activation row, [BLOCK_K]
             if EVEN_K:
                 x = tl.load(x_row_ptrs)
             else:
@@ -336,6 +385,47 @@ def small_m_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     holds the split-K counters of the fused reduce (without one, a module-wide workspace outside graph
     capture; under capture the second-kernel reduce).
     """
+    return _small_m_launch(x, qweight, scales, bias, config, workspace, None)
+
+
+class _Norm(NamedTuple):
+    """The RMSNorm a fused launch applies to its input row first (`small_m_add_norm_linear_triton`)."""
+    residual: torch.Tensor | None  # [1, K], added first; None: the input alone is normalized
+    weight: torch.Tensor  # [K]
+    eps: float
+    new_residual: torch.Tensor  # [1, K]: input + residual (unused without a residual)
+
+
+def small_m_add_norm_linear_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                                   eps: float, qweight: torch.Tensor, scales: torch.Tensor,
+                                   bias: torch.Tensor | None = None, *, config: SmallMConfig | None = None,
+                                   workspace: SmallMWorkspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's RMSNorm (after the residual add, when `residual` is given) and the small-M linear in one launch:
+    x, residual [1, K] -> (linear(rms_norm(x + residual)) [1, N], x + residual [1, K]); without a residual
+    (linear(rms_norm(x)), x). The same arithmetic as `fused_add_rms_norm` (or `rms_norm`) then
+    `small_m_linear_triton`, with the row's mean square summed in another order (fp32). x and residual are left
+    untouched (every program reads them); the new residual is a new tensor. M = 1 on the CUDA cores only (the
+    config's `use_dot` must be False)."""
+    op = "add_norm_linear"
+    check_launchable(op, x, norm_weight)
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"{op}: x must be one row [1, K], got shape {tuple(x.shape)}")
+    check_last_dim_contiguous(op, x=x, norm_weight=norm_weight)
+    if norm_weight.shape != (x.shape[1],):
+        raise ValueError(f"{op}: norm_weight shape {tuple(norm_weight.shape)} != ({x.shape[1]},)")
+    if residual is not None:
+        check_last_dim_contiguous(op, residual=residual)
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(f"{op}: residual {tuple(residual.shape)} {residual.dtype} must match x "
+                             f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    new_residual = x if residual is None else torch.empty_like(x)
+    out = _small_m_launch(x, qweight, scales, bias, config, workspace, _Norm(residual, norm_weight, eps, new_residual))
+    return out, new_residual
+
+
+def _small_m_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                    config: SmallMConfig | None, workspace: SmallMWorkspace | None, norm: _Norm | None
+                    ) -> torch.Tensor:
     is_fp8 = qweight.dtype == FP8_DTYPE
     op = "fp8_linear" if is_fp8 else "int8_linear"
     check_launchable(op, x, qweight, scales)
@@ -355,14 +445,19 @@ def small_m_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
         return out
     if config is None:
         settings = small_m_settings()
-        config = small_m_launch_config(m, n, k, group_size, num_sms(x.device), fma_max_m=settings.fma_max_m,
-                                       programs_per_sm=settings.programs_per_sm,
-                                       fused_reduce=settings.fused_reduce, int8_bits=int8_bits_default())
+        # A fused norm needs the CUDA-core variant: M = 1 takes it whatever $TANDEM_QUANT_FMA_MAX_M says.
+        config = small_m_launch_config(m, n, k, group_size, num_sms(x.device),
+                                       fma_max_m=max(settings.fma_max_m, 1 if norm else 0),
+                                       programs_per_sm=settings.programs_per_sm, fused_reduce=settings.fused_reduce,
+                                       int8_bits=int8_bits_default(SMALL_M_INT8_BITS_DEFAULT))
     cfg = config
     if cfg.block_m < m or cfg.split_k < 1 or (cfg.use_dot and cfg.block_m < 16) \
             or (group_size and group_size % cfg.block_k):
         raise ValueError(f"{op}: config {cfg} invalid for M={m} (block_m >= M, 16 with use_dot; split_k >= 1; "
                          f"block_k must divide the group size)")
+    if norm is not None and (cfg.use_dot or cfg.block_m != 1):
+        raise ValueError(f"add_norm_linear: config {cfg} invalid: a fused norm runs on the CUDA cores at M = 1 "
+                         f"(use_dot False, block_m 1)")
     k_per_split = small_m_k_per_split(k, cfg.block_k, cfg.split_k)
     split_k = triton.cdiv(k, k_per_split)
     is_single_split = split_k == 1
@@ -376,6 +471,9 @@ def small_m_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     partial = scales if is_single_split else torch.empty((split_k, m, n), device=x.device, dtype=torch.float32)
     bias_arg = bias if bias is not None else scales  # never read when HAS_BIAS is False
     w_arg = qweight.view(torch.uint8) if is_fp8 else qweight  # fp8 read as bytes: masked lanes load 0 = +0.0
+    # Without a norm (or without its residual) these are never read: any tensor stands in.
+    residual = norm.residual if norm is not None and norm.residual is not None else x
+    norm_kind = 0 if norm is None else (1 if norm.residual is None else 2)
     pdl = use_pdl(x.device)
     _small_m_linear_kernel[(tiles_n, split_k)](
         x, w_arg, scales, bias_arg, out, partial, counters if fused else scales,
@@ -384,7 +482,9 @@ def small_m_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
         GROUP_SIZE=group_size, HAS_BIAS=bias is not None, IS_SINGLE_SPLIT=is_single_split, FUSED_REDUCE=fused,
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0, W_FP8=is_fp8, INT8_BITS=cfg.int8_bits and not is_fp8,
         DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_PDL=pdl, res_ptr=residual, norm_w_ptr=x if norm is None else norm.weight,
+        new_res_ptr=x if norm is None else norm.new_residual, eps=0.0 if norm is None else norm.eps, NORM=norm_kind,
+        launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not is_single_split and not fused:
         block_n = 256

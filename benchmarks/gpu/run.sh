@@ -1151,21 +1151,33 @@ suite_q18() {
     suite_quant_profile
 }
 
-# 2026-12-07, third session (#18): programmatic dependent launch ($TANDEM_PDL). Its GPU test (the same tokens and
-# logprobs on and off, bf16 / int8 / fp8, CUDA graphs), the decode step off / on / off / on (bf16, int8, fp8 at batch
-# 1 / 64), int8's small-M kernel with integer-op conversion under PDL, then where a batch-1 step's time goes
-# (torch.profiler, PDL off) for bf16 and int8. ~8 min.
+# 2026-12-07 (#18): programmatic dependent launch ($TANDEM_PDL) and the norm_linear fusion. Their GPU tests (PDL: the
+# same tokens and logprobs on and off, bf16 / int8 / fp8, CUDA graphs; norm_linear: kernel and model logits against
+# the unfused path), norm_linear off / on / off / on (int8, fp8 at batch 1), the decode step with PDL off / on / off /
+# on (bf16, int8, fp8 at batch 1 / 64), int8 at batch 1 by the GEMM (the old default), both switches on, then where a
+# batch-1 step's time goes (torch.profiler) for bf16, int8 and fp8. ~9 min.
 suite_pdl() {
-    step pdl-tests 200 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_pdl_gpu.py
-    local Q="$TI $PY -m tandem.benchmarks.quant" i p
+    step pdl-tests 200 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_pdl_gpu.py \
+        tests/kernels/test_norm_linear.py tests/kernels/test_norm_linear_model.py
+    local Q="$TI $PY -m tandem.benchmarks.quant" i p f
+    # The norm_linear fusion (RMSNorm inside the qkv / gate_up GEMV at batch 1), PDL off, interleaved.
+    for i in 1 2; do
+        for f in all all+norm_linear; do
+            step "nl-${f#all+}-$i" 90 env TANDEM_PDL=0 TANDEM_FUSIONS=$f $Q decode-latency $DRY --model "$BIG" \
+                --variants int8,fp8 --batches 1 --steps "$(n 50 3)" --out "$OUT/nl-${f#all+}-$i"
+        done
+    done
     for i in 1 2; do
         for p in 0 1; do
             step "pdl$p-step-$i" 150 env TANDEM_PDL=$p $Q decode-latency $DRY --model "$BIG" --variants bf16,int8,fp8 \
                 --batches "$(n 1,64 1,4)" --steps "$(n 50 3)" --out "$OUT/pdl$p-step-$i"
         done
     done
-    step pdl1-int8-sm16-b1 90 env TANDEM_PDL=1 TANDEM_QUANT_SMALL_M=16 TANDEM_QUANT_INT8_BITS=1 $Q decode-latency \
-        $DRY --model "$BIG" --variants int8 --batches "$(n 1,16,64 1,4)" --steps "$(n 50 3)" --out "$OUT/pdl1-int8-sm16-b1"
+    # int8 at batch 1 by the GEMM (the default before the small-M GEMV took M = 1), against pdl0-step's int8 rows.
+    step int8-gemm-b1 90 env TANDEM_PDL=0 TANDEM_QUANT_SMALL_M=0 $Q decode-latency $DRY --model "$BIG" \
+        --variants int8 --batches 1 --steps "$(n 50 3)" --out "$OUT/int8-gemm-b1"
+    step pdl1-nl 90 env TANDEM_PDL=1 TANDEM_FUSIONS=all+norm_linear $Q decode-latency $DRY --model "$BIG" \
+        --variants int8,fp8 --batches 1 --steps "$(n 50 3)" --out "$OUT/pdl1-nl"
     suite_quant_profile
 }
 

@@ -49,11 +49,12 @@ class LlamaAttention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
 
-    def project(self, positions: torch.Tensor, hidden: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor,
+    def project(self, positions: torch.Tensor, qkv: torch.Tensor, kv: KVLayer, slot_mapping: torch.Tensor,
                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k, v [T, Hkv, D] of `hidden` [T, hidden], q and k rotated, k and v stored into the pages."""
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        """q [T, Hq, D], k, v [T, Hkv, D] of `qkv_proj`'s output [T, (Hq + 2 Hkv) D], q and k rotated, k and v
+        stored into the pages."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -121,7 +122,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down(self.gate_up_proj(hidden))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The rest of the MLP from `gate_up_proj`'s output."""
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -137,15 +142,26 @@ class LlamaDecoderLayer(nn.Module):
                       kv: KVLayer, slot_mapping: torch.Tensor, cos_sin: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Norm (with the residual add), then q, k, v (K/V stored): → (q, k, v, residual)."""
-        norm = self.input_layernorm
+        qkv, residual = self.norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        q, k, v = self.self_attn.project(positions, qkv, kv, slot_mapping, cos_sin)
+        return q, k, v, residual
+
+    def norm_linear(self, norm: RMSNorm, linear: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`linear`(norm(hidden + residual)) → (that, hidden + residual); without a residual, of `hidden` alone
+        (→ (that, hidden)). With the norm_linear fusion, a projection that can take the norm into its own launch
+        does (`QuantizedLinear.add_norm_forward`: one token); else the norm kernel, then the projection."""
+        fused = getattr(linear, "add_norm_forward", None) if "norm_linear" in self.ops.fusions else None
+        result = fused(hidden, residual, norm.weight, norm.eps) if fused is not None else None
+        if result is not None:
+            return result
         if residual is None:
             residual = hidden
             hidden = self.ops.rms_norm(hidden, norm.weight, norm.eps)
         else:
             # The residual add rides along with the norm: one pass over the activations, not two.
             hidden, residual = self.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        q, k, v = self.self_attn.project(positions, hidden, kv, slot_mapping, cos_sin)
-        return q, k, v, residual
+        return linear(hidden), residual
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, kv: KVLayer,
                 meta: AttentionMetadata, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,9 +173,8 @@ class LlamaDecoderLayer(nn.Module):
     def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Output projection of the attention [T, Hq * D], norm (with the residual add), MLP: → (hidden, residual)."""
         hidden = self.self_attn.o_proj(attn_out)
-        norm = self.post_attention_layernorm
-        hidden, residual = self.ops.fused_add_rms_norm(hidden, residual, norm.weight, norm.eps)
-        return self.mlp(hidden), residual
+        gate_up, residual = self.norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        return self.mlp.down(gate_up), residual
 
 
 class LlamaModel(nn.Module):

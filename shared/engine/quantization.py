@@ -10,13 +10,14 @@ Embeddings and the output head stay in the model's dtype (the head's error would
 
 Which kernel runs a layer follows the model's `Ops`: with the Triton ops, the Triton kernels
 (`int8_linear_triton`, `fp8_linear_triton`: on CUDA, or in Triton's interpreter in the kernel tests). Each picks
-by the number of tokens M: up to $TANDEM_QUANT_SMALL_M (by kind: fp8 4, int8 0 = off) the weight-only small-M kernel
+by the number of tokens M: up to $TANDEM_QUANT_SMALL_M (by kind: fp8 4, int8 1) the weight-only small-M kernel
 (`small_m_linear_triton`, memory-bound decode; fp8 activations are not quantized there), above it the GEMMs
 described here. With the torch ops on the CPU, int8 runs `int8_linear_cpu` (`torch._weight_int8pack_mm` over the
 int8 weights, bf16 activations) and fp8 the reference `fp8_linear_torch` (by M like the kernels: `fp8_linear_ref`,
 which emulates the fp8 arithmetic in fp32, or at small M `fp8_weight_only_ref`), which dequantizes the weight on
 every call: it is there to check accuracy on a CPU, not for speed. Elsewhere (CUDA with use_triton=False) the
-references run.
+references run. With the `norm_linear` fusion (`tandem.kernels.ops`), a layer's qkv and gate_up projections of one
+token take the RMSNorm before them (and its residual add) into their small-M launch (`add_norm_forward`).
 
 Scales are plain absmax, not `quantize_int8_weight`'s clip search: that search lowers the weight MSE by ~3%
 (its docstring), which is worth little at 8 bits, and costs ~30 s for SmolLM2-135M on a 2-core CPU at every load.
@@ -30,7 +31,7 @@ from torch import nn
 from tandem.common.config import ConfigError
 from tandem.engine.model import LlamaForCausalLM
 from tandem.kernels.quant_linear import QuantWeight, linear_function
-from tandem.kernels.quant_small_m import SmallMWorkspace
+from tandem.kernels.quant_small_m import SmallMWorkspace, small_m_add_norm_linear_triton, use_small_m
 
 # The linears each decoder layer quantizes, by their names under the layer.
 QUANTIZED_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -74,6 +75,16 @@ class QuantizedLinear(nn.Module):
         if self._workspace is not None:
             return self._linear(x, self.qweight, self.scales, self.bias, workspace=self._workspace)
         return self._linear(x, self.qweight, self.scales, self.bias)
+
+    def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RMSNorm of x (+ residual), then this layer, in one launch: (out [1, N], new residual [1, K]) for one token
+        on the Triton backend where the small-M kernel takes it (`use_small_m`); None where it cannot (the caller
+        runs the norm, then `forward`)."""
+        if self._workspace is None or x.shape[0] != 1 or not use_small_m(1, kind=self.kind):
+            return None
+        return small_m_add_norm_linear_triton(x, residual, norm_weight, eps, self.qweight, self.scales, self.bias,
+                                              workspace=self._workspace)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, "

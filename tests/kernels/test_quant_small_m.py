@@ -10,7 +10,12 @@ import pytest
 import torch
 
 import tandem.kernels.quant_linear as quant_linear_module
-from tandem.kernels.quant_common import INT8_BITS_DEFAULT, INT8_BITS_ENV, int8_bits_default
+from tandem.kernels.quant_common import (
+    INT8_BITS_DEFAULT,
+    INT8_BITS_ENV,
+    SMALL_M_INT8_BITS_DEFAULT,
+    int8_bits_default,
+)
 from tandem.kernels.quant_linear import (
     Int8LinearConfig,
     QuantWeight,
@@ -99,9 +104,9 @@ def test_small_m_launch_config_invariants(fma_max_m: int) -> None:
 
 def test_small_m_settings_from_env(small_m_env) -> None:  # type: ignore[no-untyped-def]
     small_m_env()
-    # Unset: the measured defaults, fp8 up to M = 4, int8 never.
+    # Unset: the measured defaults, fp8 up to M = 4, int8 at M = 1.
     assert small_m_settings().max_m is None and use_small_m(1, kind="fp8") and use_small_m(4, kind="fp8")
-    assert not use_small_m(5, kind="fp8") and not use_small_m(1, kind="int8")
+    assert not use_small_m(5, kind="fp8") and use_small_m(1, kind="int8") and not use_small_m(2, kind="int8")
     assert not use_small_m(0) and not use_small_m(1, small_m=False) and use_small_m(16, small_m=True)
     assert use_small_m(16, small_m=True, kind="int8")
     small_m_env(**{SMALL_M_ENV: "16"})
@@ -304,6 +309,9 @@ def test_int8_bits_default_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.setenv(INT8_BITS_ENV, raw)
             int8_bits_default.cache_clear()
             assert int8_bits_default() is expected
+            # The small-M GEMV's own default, overridden by the variable in both directions.
+            small_m_expected = SMALL_M_INT8_BITS_DEFAULT if raw == "" else expected
+            assert int8_bits_default(SMALL_M_INT8_BITS_DEFAULT) is small_m_expected
         monkeypatch.setenv(INT8_BITS_ENV, "yes")
         int8_bits_default.cache_clear()
         with pytest.raises(ValueError, match=INT8_BITS_ENV):
