@@ -192,9 +192,9 @@ class Router:
         if name and name != self.model.name:
             raise InvalidRequestError("model", f"unknown model {name!r}; this gateway serves {self.model.name!r}")
 
-    async def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     timeout: float | None = None, trace_context: Context | None = None,
-                     ) -> AsyncGenerator[tuple[list[int], str, Completion], None]:
+    def stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               timeout: float | None = None, trace_context: Context | None = None,
+               ) -> AsyncGenerator[tuple[list[int], str, Completion], None]:
         """Yield (new token ids, new text, progress) as decode streams; the last has finish_reason set.
 
         A decode worker that fails (unreachable, dies, ends the stream early, or is full) is left out and
@@ -205,66 +205,64 @@ class Router:
 
         Traced as a `route` span per attempt and a `stream` span (the decode calls and detokenization)
         under `trace_context`, by default the caller's current context; decode continues the trace.
+
+        Nothing runs before the first chunk is asked for (the checks, then the admission slot). The generator
+        returned is `_stream` itself, not one wrapped around it: every generator layer costs each message a step.
         """
-        validate_prompt(prompt_ids, self.vocab_size, self.max_model_len, params.max_tokens)
-        self.check_sampling(params)
-        chunks = self._stream(request_id, prompt_ids, with_resolved_seed(params), timeout, trace_context)
-        async with contextlib.aclosing(chunks):
-            if held_slots() is not None:  # the request took a slot for each of its sequences already
-                async for chunk in chunks:
-                    yield chunk
-                return
-            with self.admission.hold(1):
-                async for chunk in chunks:
-                    yield chunk
+        return self._stream(request_id, prompt_ids, params, timeout, trace_context)
 
     async def _stream(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                       timeout: float | None, trace_context: Context | None,
                       ) -> AsyncGenerator[tuple[list[int], str, Completion], None]:
-        arrival = time.perf_counter()
-        deadline = None if timeout is None else arrival + timeout
-        parent = otel_context.get_current() if trace_context is None else trace_context
-        detok = IncrementalDetokenizer(self.model.tokenizer, prompt_ids, stop=params.stop,
-                                       skip_special_tokens=params.skip_special_tokens)
-        progress = Completion(request_id, prompt_ids, [])
-        prompt = PromptBlocks(prompt_ids)  # hashed once, for every attempt
-        failed: set[str] = set()  # decode workers this request has given up on
-        last_error: Exception | None = None
-        span = self.tracer.start_span("stream", context=parent, attributes={
-            "tandem.request_id": request_id, "tandem.prompt_tokens": len(prompt_ids),
-            "tandem.max_tokens": params.max_tokens})
-        with ending(span):
-            try:
-                while True:
-                    try:
-                        prefill, decode, local_reason = await self._route(parent, prompt, exclude=failed)
-                    except UnavailableError:
-                        metrics.REQUESTS.labels(status="error").inc()
-                        if isinstance(last_error, OverloadedError):
-                            raise last_error from None
-                        raise UnavailableError(f"no decode worker left for {request_id}"
-                                               + (f" (last: {last_error})" if last_error else "")) from None
-                    if not failed:
-                        span.set_attribute("tandem.decode.address", decode.address)
-                    else:
-                        span.add_event("resume", {"tandem.decode.address": decode.address,
-                                                  "tandem.resumed_tokens": len(progress.token_ids)})
-                        log.warning("%s: resuming on %s after %d tokens (%s)", request_id, decode.address,
-                                    len(progress.token_ids), last_error)
-                    remaining = None if deadline is None else max(1e-3, deadline - time.perf_counter())
-                    try:
-                        async for chunk in self._attempt(decode, prefill, request_id, prompt_ids, params,
-                                                         remaining, span, detok, progress, arrival, local_reason):
-                            yield chunk
-                        return
-                    except _RetryableError as error:
-                        failed.add(decode.address)
-                        last_error = error.cause
-            finally:
-                span.set_attributes({"tandem.completion_tokens": len(progress.token_ids),
-                                     "tandem.finish_reason": progress.finish_reason or "",
-                                     "tandem.time_to_first_token_s": progress.time_to_first_token_s,
-                                     "tandem.num_decode_failures": len(failed)})
+        validate_prompt(prompt_ids, self.vocab_size, self.max_model_len, params.max_tokens)
+        self.check_sampling(params)
+        params = with_resolved_seed(params)
+        # A request that took a slot for each of its sequences already (`Slots.create_task`) takes none here.
+        with contextlib.nullcontext() if held_slots() is not None else self.admission.hold(1):
+            arrival = time.perf_counter()
+            deadline = None if timeout is None else arrival + timeout
+            parent = otel_context.get_current() if trace_context is None else trace_context
+            detok = IncrementalDetokenizer(self.model.tokenizer, prompt_ids, stop=params.stop,
+                                           skip_special_tokens=params.skip_special_tokens)
+            progress = Completion(request_id, prompt_ids, [])
+            prompt = PromptBlocks(prompt_ids)  # hashed once, for every attempt
+            failed: set[str] = set()  # decode workers this request has given up on
+            last_error: Exception | None = None
+            span = self.tracer.start_span("stream", context=parent, attributes={
+                "tandem.request_id": request_id, "tandem.prompt_tokens": len(prompt_ids),
+                "tandem.max_tokens": params.max_tokens})
+            with ending(span):
+                try:
+                    while True:
+                        try:
+                            prefill, decode, local_reason = await self._route(parent, prompt, exclude=failed)
+                        except UnavailableError:
+                            metrics.REQUESTS.labels(status="error").inc()
+                            if isinstance(last_error, OverloadedError):
+                                raise last_error from None
+                            raise UnavailableError(f"no decode worker left for {request_id}"
+                                                   + (f" (last: {last_error})" if last_error else "")) from None
+                        if not failed:
+                            span.set_attribute("tandem.decode.address", decode.address)
+                        else:
+                            span.add_event("resume", {"tandem.decode.address": decode.address,
+                                                      "tandem.resumed_tokens": len(progress.token_ids)})
+                            log.warning("%s: resuming on %s after %d tokens (%s)", request_id, decode.address,
+                                        len(progress.token_ids), last_error)
+                        remaining = None if deadline is None else max(1e-3, deadline - time.perf_counter())
+                        try:
+                            async for chunk in self._attempt(decode, prefill, request_id, prompt_ids, params,
+                                                             remaining, span, detok, progress, arrival, local_reason):
+                                yield chunk
+                            return
+                        except _RetryableError as error:
+                            failed.add(decode.address)
+                            last_error = error.cause
+                finally:
+                    span.set_attributes({"tandem.completion_tokens": len(progress.token_ids),
+                                         "tandem.finish_reason": progress.finish_reason or "",
+                                         "tandem.time_to_first_token_s": progress.time_to_first_token_s,
+                                         "tandem.num_decode_failures": len(failed)})
 
     async def _attempt(self, decode: WorkerRecord, prefill: WorkerRecord | None, request_id: str,
                        prompt_ids: list[int], params: SamplingParams, timeout: float | None, span: trace.Span,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -33,8 +32,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return await self.router.prompt_ids()
 
     async def Generate(self, request: generation_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """Traced as the root span `generate` (under the client's trace, if it sent one)."""
+                       context: grpc.aio.ServicerContext) -> None:
+        """Traced as the root span `generate` (under the client's trace, if it sent one).
+
+        A coroutine that streams through `context.write`, not an async generator: grpc.aio then drives one
+        coroutine per call, and the wrappers around the handler (`map_errors`, `MalformedRequestInterceptor`) stay
+        coroutines too, where as generators each added a generator step to every message. On a client's cancel the
+        `CancelledError` comes out of `write` here, and `aclosing` ends the router's stream at once."""
         span = self.router.tracer.start_span("generate", context=extract_context(context.invocation_metadata()),
                                              kind=SpanKind.SERVER)
         try:
@@ -61,7 +65,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             response.usage.cached_tokens = progress.num_cached_tokens
                             response.timing.time_to_first_token_s = progress.time_to_first_token_s
                             response.timing.e2e_s = progress.e2e_s
-                        yield response
+                        await context.write(response)
         except PassthroughError as error:
             await context.abort(error.code, error.details)
 

@@ -242,9 +242,13 @@ class RequestUpdates:
             items.append(tokens)
         tokens.token_ids.append(token_id)
         tokens.logprobs.append(logprob)
-        self._num_tokens += 1
+        num_tokens = self._num_tokens = self._num_tokens + 1
         waiter = self._waiter
-        if waiter is not None and not waiter.done() and self._ready(self._threshold()):
+        # `_ready(_threshold())` spelled out, as this runs for every token: a reader still waiting has no end queued
+        # (an end wakes it), so it is the count reaching min(wanted, max(stream interval, the pacer's)).
+        if waiter is not None and (num_tokens >= self._wanted or (
+                self.pacer is not None and num_tokens >= self.stream_interval
+                and num_tokens >= self.pacer.interval)) and not waiter.done():
             waiter.set_result(None)
 
     def _threshold(self) -> int:

@@ -41,6 +41,7 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         self.delay_s = 0.0
         self.frozen = False
         self.started: list[str] = []
+        self.cancelled: list[str] = []
 
     def freeze(self) -> None:
         self.frozen = True
@@ -74,6 +75,7 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
                     request_id = message.start.request.request_id
                     tasks[request_id] = asyncio.ensure_future(run(message.start.request))
                 elif (task := tasks.pop(message.cancel.request_id, None)) is not None:
+                    self.cancelled.append(message.cancel.request_id)
                     task.cancel()
 
         reader = asyncio.ensure_future(read())
@@ -190,6 +192,24 @@ async def test_hundreds_of_streams_over_one_connection() -> None:
         outcomes = await asyncio.gather(*(one(i) for i in range(num_streams)))
         failed = [o for o in outcomes if o != "ok"]
         assert not failed, f"{len(failed)} of {num_streams} failed, e.g. {failed[0]}"
+
+
+async def test_a_grpc_client_that_cancels_mid_stream_cancels_its_request_on_decode() -> None:
+    """`Generate` streams through `context.write`: the client's cancel reaches it there, the router's stream is
+    closed at once, and decode gets the request's cancel (it frees its blocks); the next request is served."""
+    async with running_gateway() as gateway, make_channel(gateway.grpc) as channel:
+        decode = gateway.decodes[0].servicer
+        decode.delay_s = 0.05  # 200 tokens: 10 s in flight
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(request(max_tokens=200), timeout=30)
+        assert (await call.read()).token_ids
+        call.cancel()
+        deadline = time.monotonic() + 5
+        while not decode.cancelled and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert decode.cancelled == decode.started
+        decode.delay_s = 0.0
+        assert len(await generate(stub, request())) == 4
 
 
 # -- item 7: drain covers HTTP ---------------------------------------------------------------------------------
