@@ -87,7 +87,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 # visible), then lets the next kernel launch (`gdc_launch_dependents`), so what overlaps is the launch and the tail,
 # never a read of unfinished data or a write over data still being read. Every kernel on the decode path takes
 # `USE_PDL` and calls `pdl_prologue(USE_PDL)` before touching global memory; a kernel launched with PDL that skipped
-# the wait would race. Off unless $TANDEM_PDL=1 (until measured on the GPU).
+# the wait would race. Off unless $TANDEM_PDL=1: on an H100 it saved 4.5-4.7% of a quantized 8B batch-1 step, but fp8's
+# logprobs then differed inside CUDA graphs for a 4-token prompt (docs/architecture.md, "Kernels and the GPU path").
 PDL_ENV = "TANDEM_PDL"
 
 

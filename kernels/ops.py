@@ -13,8 +13,8 @@ decode-latency --fusions ...`); the model's code does not change with them:
                   it matched the reference path but was 3-6% slower per decode step (results README, fusions)
     norm_linear   the RMSNorm (and its residual add) before a layer's qkv and gate_up projections inside the
                   projection's launch, where the projection can take it: a quantized layer's small-M GEMV at one
-                  token (`QuantizedLinear.add_norm_forward`; each program recomputes the row's RMS). Opt-in until
-                  measured on a GPU (`benchmarks/gpu/run.sh pdl`)
+                  token (`QuantizedLinear.add_norm_forward`; each program recomputes the row's RMS). Opt-in: on
+                  an H100 it made the 8B batch-1 step 2-3% slower (results README, 2026-12-07 third session)
 
 `get_ops("triton", fusions)` takes "all" (rope_store and add_norm: the default), "none", or names joined by "," or
 "+" ("all+attn_combine"); without `fusions`, from $TANDEM_FUSIONS (the same syntax), which reaches every engine a

@@ -65,9 +65,11 @@ def test_add_norm_linear_matches_norm_then_linear(kind: str, n: int, k: int, gro
     expected = small_m_linear_triton(normed, qw.qweight, qw.scales, bias, config=config)
     assert out.shape == (1, n) and out.dtype == dtype
     torch.testing.assert_close(out, expected, **tol)
-    # and against the float product, so the pair above cannot agree on a wrong answer
+    # and against the float product, so the pair above cannot agree on a wrong answer (bf16 output: its rounding,
+    # 2^-8 relative)
     exact = normed.double() @ qw.dequantize().double().T + bias.double()
-    torch.testing.assert_close(out.double(), exact, atol=1e-3 if dtype == torch.float32 else 5e-2, rtol=1e-3)
+    torch.testing.assert_close(out.double(), exact, atol=1e-3 if dtype == torch.float32 else 5e-2,
+                               rtol=1e-3 if dtype == torch.float32 else 8e-3)
 
 
 @pytest.mark.usefixtures("needs_triton")
