@@ -64,7 +64,11 @@ async def test_a_loop_busy_in_short_turns_raises_the_interval_too() -> None:
     pacer = StreamPacer(maximum=4)
     pacer.start()
     try:
+        wall, cpu = time.perf_counter(), time.thread_time()
         await spin(0.3)
+        share = (time.thread_time() - cpu) / (time.perf_counter() - wall)
+        if share < 0.9:  # other processes took the core: the loop was not busy by the measure the pacer uses
+            pytest.skip(f"this thread got {share:.0%} of a core while spinning (a loaded machine)")
         assert pacer.interval == 4
         await asyncio.sleep(0.2)
         assert pacer.interval == 1
