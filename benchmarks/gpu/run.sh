@@ -1155,10 +1155,16 @@ suite_q18() {
 # same tokens and logprobs on and off, bf16 / int8 / fp8, CUDA graphs; norm_linear: kernel and model logits against
 # the unfused path), norm_linear off / on / off / on (int8, fp8 at batch 1), the decode step with PDL off / on / off /
 # on (bf16, int8, fp8 at batch 1 / 64), int8 at batch 1 by the GEMM (the old default), both switches on, then where a
-# batch-1 step's time goes (torch.profiler) for bf16, int8 and fp8. ~9 min.
+# batch-1 step's time goes (torch.profiler) for bf16, int8 and fp8; since the 12-07 call, first the PDL graph-edge
+# test and the fp8 determinism check with the prompt steps eager. ~10 min.
 suite_pdl() {
     step pdl-tests 200 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_pdl_gpu.py \
-        tests/kernels/test_norm_linear.py tests/kernels/test_norm_linear_model.py
+        tests/kernels/test_pdl_graph_edges_gpu.py tests/kernels/test_norm_linear.py tests/kernels/test_norm_linear_model.py
+    # Where fp8's logprobs move with PDL on (12-07: only in graphs, only a 4-token prompt): piecewise graphs or not.
+    if [ "$SCALE" = 1 ]; then  # CUDA only
+        step pdl-determinism 150 $PY -m tandem.benchmarks.pdl_determinism --quantization fp8 --prompt-lens 4,40 \
+            --no-piecewise
+    fi
     local Q="$TI $PY -m tandem.benchmarks.quant" i p f
     # The norm_linear fusion (RMSNorm inside the qkv / gate_up GEMV at batch 1), PDL off, interleaved.
     for i in 1 2; do
