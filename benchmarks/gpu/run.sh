@@ -1165,6 +1165,8 @@ suite_pdl() {
         step pdl-determinism 150 $PY -m tandem.benchmarks.pdl_determinism --quantization fp8 --prompt-lens 4,40 \
             --no-piecewise
     fi
+    # Greedy sampling's reductions: the fused kernel against torch's max + logsumexp (~55 us of a batch-1 step).
+    step sample-cost 60 $TI $PY -m tandem.benchmarks.sample_cost $DRY --out "$OUT/sample-cost.json"
     local Q="$TI $PY -m tandem.benchmarks.quant" i p f
     # The norm_linear fusion (RMSNorm inside the qkv / gate_up GEMV at batch 1), PDL off, interleaved.
     for i in 1 2; do

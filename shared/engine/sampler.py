@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.request import Request
+from tandem.kernels import _triton
+from tandem.kernels.greedy_sample import greedy_sample_ref, greedy_sample_triton
 
 _MASK64 = (1 << 64) - 1
 
@@ -88,6 +90,15 @@ class SamplingTensors:
         )
 
 
+def greedy_reductions(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [S, V] float32 → (first maximum [S] int64, its logprob [S], logsumexp [S]): the fused Triton kernel on a
+    GPU (one read of the logits; torch's two reductions took ~55 µs of an 8B batch-1 step on an H100), torch
+    elsewhere."""
+    if logits.is_cuda and _triton.HAS_TRITON and logits.dtype == torch.float32 and logits.is_contiguous():
+        return greedy_sample_triton(logits)
+    return greedy_sample_ref(logits)
+
+
 def sample(logits: torch.Tensor, tensors: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [S, V] float32 → (token ids [S] int64, logprobs [S] float32); `tensors` None: all greedy.
 
@@ -95,10 +106,10 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors | None) -> tuple[torch
     truncation), as vLLM reports by default: its logit less the row's logsumexp, which reads the logits
     once and writes no [S, V] log-softmax.
     """
-    best, greedy_ids = logits.max(dim=-1)  # the first maximum on ties, as argmax
-    log_normalizer = torch.logsumexp(logits, dim=-1)
+    # The first maximum on ties, as argmax; on a GPU one read of the logits for both reductions.
+    greedy_ids, greedy_logprobs, log_normalizer = greedy_reductions(logits)
     if tensors is None:
-        return greedy_ids, best - log_normalizer
+        return greedy_ids, greedy_logprobs
     is_greedy = tensors.temperatures == 0.0
     temperatures = torch.where(is_greedy, 1.0, tensors.temperatures)
     scaled = logits / temperatures[:, None]
