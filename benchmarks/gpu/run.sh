@@ -1159,7 +1159,8 @@ suite_q18() {
 # test and the fp8 determinism check with the prompt steps eager. ~10 min.
 suite_pdl() {
     step pdl-tests 200 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_pdl_gpu.py \
-        tests/kernels/test_pdl_graph_edges_gpu.py tests/kernels/test_norm_linear.py tests/kernels/test_norm_linear_model.py
+        tests/kernels/test_pdl_graph_edges_gpu.py tests/kernels/test_norm_linear.py tests/kernels/test_norm_linear_model.py \
+        tests/kernels/test_greedy_sample.py
     # Where fp8's logprobs move with PDL on (12-07: only in graphs, only a 4-token prompt): piecewise graphs or not.
     if [ "$SCALE" = 1 ]; then  # CUDA only
         step pdl-determinism 150 $PY -m tandem.benchmarks.pdl_determinism --quantization fp8 --prompt-lens 4,40 \
