@@ -15,6 +15,9 @@ decode-latency --fusions ...`); the model's code does not change with them:
                   projection's launch, where the projection can take it: a quantized layer's small-M GEMV at one
                   token (`QuantizedLinear.add_norm_forward`; each program recomputes the row's RMS). Opt-in: on
                   an H100 it made the 8B batch-1 step 2-3% slower (results README, 2026-12-07 third session)
+    silu_linear   SwiGLU's activation inside the down projection's launch, where the projection can take it: a
+                  quantized layer's small-M GEMV at one token (`QuantizedLinear.silu_forward`; each program makes
+                  its own K slice of silu(gate) * up, no full-row pass). Opt-in until measured on a GPU
 
 `get_ops("triton", fusions)` takes "all" (rope_store and add_norm: the default), "none", or names joined by "," or
 "+" ("all+attn_combine"); without `fusions`, from $TANDEM_FUSIONS (the same syntax), which reaches every engine a
@@ -43,7 +46,7 @@ from tandem.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 from tandem.kernels.store_kv import store_kv_ref, store_kv_triton
 
 FUSIONS = ("rope_store", "add_norm")  # "all", in this order
-OPT_IN_FUSIONS = ("attn_combine", "norm_linear")  # only when named
+OPT_IN_FUSIONS = ("attn_combine", "norm_linear", "silu_linear")  # only when named
 FUSIONS_ENV = "TANDEM_FUSIONS"
 
 

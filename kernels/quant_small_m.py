@@ -258,6 +258,17 @@ def _normed_tile(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, cols, k_end, rstd, sto
 
 
 @triton.jit
+def _silu_mul_tile(x_ptr, cols, k_end, K):
+    """silu(gate) * up at `cols` of row 0 of a gate_up row [gate (K) | up (K)], rounded as `silu_and_mul` rounds
+    it (silu to x's dtype before the product, the product to x's dtype)."""
+    mask = cols < k_end
+    gate = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return (silu * up).to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _small_m_linear_kernel(
     x_ptr, w_ptr, scales_ptr, bias_ptr, out_ptr, partial_ptr, counters_ptr,
     M, N, K, k_per_split, num_splits,
@@ -266,7 +277,7 @@ def _small_m_linear_kernel(
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr, INT8_BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-    res_ptr, norm_w_ptr, new_res_ptr, eps, NORM: tl.constexpr,
+    res_ptr, norm_w_ptr, new_res_ptr, eps, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     # Grid (N tiles, K slices); one M tile holds every row (M <= BLOCK_M). Rows past M / N read a valid row
@@ -302,7 +313,9 @@ def _small_m_linear_kernel(
             w = w.to(tl.float8e4nv, bitcast=True)
         elif INT8_BITS:  # int8 -> fp32 without I2F (masked lanes 0 -> 0.0); the .to() below are then no-ops
             w = int8_to_float32(w)
-        if NORM > 0:  # the activation row normalized here (and the new residual stored by the first N tile)
+        if SILU_MUL:  # the activation row is silu(gate) * up of the gate_up row x_ptr points to: made here
+            x = _silu_mul_tile(x_ptr, k + offs_k, k_end, K)
+        elif NORM > 0:  # the activation row normalized here (and the new residual stored by the first N tile)
             x = _normed_tile(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, k + offs_k, k_end, rstd,
                              tl.where(pid_n == 0, K, 0), NORM == 2)
         elif BLOCK_M == 1 and not USE_DOT:  # one activation row, [BLOCK_K]
@@ -423,9 +436,26 @@ def small_m_add_norm_linear_triton(x: torch.Tensor, residual: torch.Tensor | Non
     return out, new_residual
 
 
+def small_m_silu_linear_triton(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                               bias: torch.Tensor | None = None, *, config: SmallMConfig | None = None,
+                               workspace: SmallMWorkspace | None = None) -> torch.Tensor:
+    """One token's SwiGLU activation and the small-M linear in one launch: gate_up [1, 2K] (gate | up) ->
+    linear(silu(gate) * up) [1, N], the same arithmetic as `silu_and_mul` then `small_m_linear_triton`. Every
+    program makes its own K slice of the activation (no full-row pass, unlike the fused norm). M = 1 on the CUDA
+    cores only."""
+    op = "silu_linear"
+    check_launchable(op, gate_up)
+    if gate_up.dim() != 2 or gate_up.shape[0] != 1 or gate_up.shape[1] != 2 * qweight.shape[-1]:
+        raise ValueError(f"{op}: gate_up must be one row [1, 2K] with K={qweight.shape[-1]} (qweight's inputs), got "
+                         f"shape {tuple(gate_up.shape)}")
+    check_last_dim_contiguous(op, gate_up=gate_up)
+    return _small_m_launch(gate_up[:, : qweight.shape[-1]], qweight, scales, bias, config, workspace, None,
+                           silu_mul=True)
+
+
 def _small_m_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                    config: SmallMConfig | None, workspace: SmallMWorkspace | None, norm: _Norm | None
-                    ) -> torch.Tensor:
+                    config: SmallMConfig | None, workspace: SmallMWorkspace | None, norm: _Norm | None,
+                    silu_mul: bool = False) -> torch.Tensor:
     is_fp8 = qweight.dtype == FP8_DTYPE
     op = "fp8_linear" if is_fp8 else "int8_linear"
     check_launchable(op, x, qweight, scales)
@@ -447,7 +477,7 @@ def _small_m_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         settings = small_m_settings()
         # A fused norm needs the CUDA-core variant: M = 1 takes it whatever $TANDEM_QUANT_FMA_MAX_M says.
         config = small_m_launch_config(m, n, k, group_size, num_sms(x.device),
-                                       fma_max_m=max(settings.fma_max_m, 1 if norm else 0),
+                                       fma_max_m=max(settings.fma_max_m, 1 if norm or silu_mul else 0),
                                        programs_per_sm=settings.programs_per_sm, fused_reduce=settings.fused_reduce,
                                        int8_bits=int8_bits_default(SMALL_M_INT8_BITS_DEFAULT))
     cfg = config
@@ -455,9 +485,9 @@ def _small_m_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
             or (group_size and group_size % cfg.block_k):
         raise ValueError(f"{op}: config {cfg} invalid for M={m} (block_m >= M, 16 with use_dot; split_k >= 1; "
                          f"block_k must divide the group size)")
-    if norm is not None and (cfg.use_dot or cfg.block_m != 1):
-        raise ValueError(f"add_norm_linear: config {cfg} invalid: a fused norm runs on the CUDA cores at M = 1 "
-                         f"(use_dot False, block_m 1)")
+    if (norm is not None or silu_mul) and (cfg.use_dot or cfg.block_m != 1):
+        raise ValueError(f"{'silu_linear' if silu_mul else 'add_norm_linear'}: config {cfg} invalid: a fused input "
+                         f"runs on the CUDA cores at M = 1 (use_dot False, block_m 1)")
     k_per_split = small_m_k_per_split(k, cfg.block_k, cfg.split_k)
     split_k = triton.cdiv(k, k_per_split)
     is_single_split = split_k == 1
@@ -484,6 +514,7 @@ def _small_m_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_PDL=pdl, res_ptr=residual, norm_w_ptr=x if norm is None else norm.weight,
         new_res_ptr=x if norm is None else norm.new_residual, eps=0.0 if norm is None else norm.eps, NORM=norm_kind,
+        SILU_MUL=silu_mul,
         launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not is_single_split and not fused:

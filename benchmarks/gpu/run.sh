@@ -83,6 +83,10 @@
 #   pipe     #15/#14: prefill pipelining (TANDEM_PREFILL_PIPELINE) on vs off: its GPU tests and the GPU stack test,
 #            the 1B rows interleaved, the 128-token row's timeline with it on, ~7 min
 #   pipe_min the 128-token row of pipe and the gateway alone with the pacer off / 16, ~5 min
+#   pdl      #18: PDL on / off and the norm_linear fusion (decode step table, tests, profiles), ~9 min
+#   serve14  #14: the serve benchmark, colocated and disaggregated, 2-48 req/s, ~5 min
+#   next18   #18: what came after the 12-07 H100 call: PDL's graph-edge test and determinism check, the greedy
+#            sampler's kernel against torch, the silu_linear fusion's A/B, the int8 batch-1 profile, ~6 min
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
@@ -1155,19 +1159,10 @@ suite_q18() {
 # same tokens and logprobs on and off, bf16 / int8 / fp8, CUDA graphs; norm_linear: kernel and model logits against
 # the unfused path), norm_linear off / on / off / on (int8, fp8 at batch 1), the decode step with PDL off / on / off /
 # on (bf16, int8, fp8 at batch 1 / 64), int8 at batch 1 by the GEMM (the old default), both switches on, then where a
-# batch-1 step's time goes (torch.profiler) for bf16, int8 and fp8; since the 12-07 call, first the PDL graph-edge
-# test and the fp8 determinism check with the prompt steps eager. ~10 min.
+# batch-1 step's time goes (torch.profiler) for bf16, int8 and fp8. ~9 min (ran on an H100: results h100-2026-12-07c).
 suite_pdl() {
     step pdl-tests 200 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_pdl_gpu.py \
-        tests/kernels/test_pdl_graph_edges_gpu.py tests/kernels/test_norm_linear.py tests/kernels/test_norm_linear_model.py \
-        tests/kernels/test_greedy_sample.py
-    # Where fp8's logprobs move with PDL on (12-07: only in graphs, only a 4-token prompt): piecewise graphs or not.
-    if [ "$SCALE" = 1 ]; then  # CUDA only
-        step pdl-determinism 150 $PY -m tandem.benchmarks.pdl_determinism --quantization fp8 --prompt-lens 4,40 \
-            --no-piecewise
-    fi
-    # Greedy sampling's reductions: the fused kernel against torch's max + logsumexp (~55 us of a batch-1 step).
-    step sample-cost 60 $TI $PY -m tandem.benchmarks.sample_cost $DRY --out "$OUT/sample-cost.json"
+        tests/kernels/test_norm_linear.py tests/kernels/test_norm_linear_model.py
     local Q="$TI $PY -m tandem.benchmarks.quant" i p f
     # The norm_linear fusion (RMSNorm inside the qkv / gate_up GEMV at batch 1), PDL off, interleaved.
     for i in 1 2; do
@@ -1188,6 +1183,32 @@ suite_pdl() {
     step pdl1-nl 90 env TANDEM_PDL=1 TANDEM_FUSIONS=all+norm_linear $Q decode-latency $DRY --model "$BIG" \
         --variants int8,fp8 --batches 1 --steps "$(n 50 3)" --out "$OUT/pdl1-nl"
     suite_quant_profile
+}
+
+# Next (#18), after the 12-07 H100 call: the tests of what came since (PDL's graph-edge test, the greedy sampler's
+# kernel, the silu_linear fusion's kernel and model tests, PDL's on/off test), where fp8's logprobs move with PDL on
+# (prompt steps eager: `pdl_determinism --no-piecewise`), the greedy sampler against torch's reductions, the
+# silu_linear fusion off / on / off / on (int8, fp8 at batch 1, PDL off), and the int8 batch-1 profile again (the
+# sampler's ~55 us should be gone). ~6 min.
+suite_next18() {
+    step next18-tests 200 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_pdl_graph_edges_gpu.py \
+        tests/kernels/test_greedy_sample.py tests/kernels/test_norm_linear.py tests/kernels/test_norm_linear_model.py \
+        tests/kernels/test_pdl_gpu.py
+    if [ "$SCALE" = 1 ]; then  # CUDA only
+        step pdl-determinism 150 $PY -m tandem.benchmarks.pdl_determinism --quantization fp8 --prompt-lens 4,40 \
+            --no-piecewise
+    fi
+    step sample-cost 60 $TI $PY -m tandem.benchmarks.sample_cost $DRY --out "$OUT/sample-cost.json"
+    local Q="$TI $PY -m tandem.benchmarks.quant" i f
+    for i in 1 2; do
+        for f in all all+silu_linear; do
+            step "sl-${f#all+}-$i" 90 env TANDEM_PDL=0 TANDEM_FUSIONS=$f $Q decode-latency $DRY --model "$BIG" \
+                --variants int8,fp8 --batches 1 --steps "$(n 50 3)" --out "$OUT/sl-${f#all+}-$i"
+        done
+    done
+    local E="$PY -m tandem.benchmarks.gpu_engine"
+    [ "$SCALE" = 1 ] || E="env TRITON_INTERPRET=1 $E"
+    step profile-int8 100 $E profile $DRY --model "$BIG" --batches 1 --quantization int8 --out "$OUT"
 }
 
 # 2026-12-07, the least of pace14 for ~4 min of device time: the GPU tests, the 128-token row with the pacer at its new

@@ -125,8 +125,11 @@ class LlamaMLP(nn.Module):
         return self.down(self.gate_up_proj(hidden))
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The rest of the MLP from `gate_up_proj`'s output."""
-        return self.down_proj(self.ops.silu_and_mul(gate_up))
+        """The rest of the MLP from `gate_up_proj`'s output. With the silu_linear fusion, a projection that can take
+        the activation into its own launch does (`QuantizedLinear.silu_forward`: one token)."""
+        fused = getattr(self.down_proj, "silu_forward", None) if "silu_linear" in self.ops.fusions else None
+        out = fused(gate_up) if fused is not None else None
+        return out if out is not None else self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -17,7 +17,8 @@ int8 weights, bf16 activations) and fp8 the reference `fp8_linear_torch` (by M l
 which emulates the fp8 arithmetic in fp32, or at small M `fp8_weight_only_ref`), which dequantizes the weight on
 every call: it is there to check accuracy on a CPU, not for speed. Elsewhere (CUDA with use_triton=False) the
 references run. With the `norm_linear` fusion (`tandem.kernels.ops`), a layer's qkv and gate_up projections of one
-token take the RMSNorm before them (and its residual add) into their small-M launch (`add_norm_forward`).
+token take the RMSNorm before them (and its residual add) into their small-M launch (`add_norm_forward`); with
+`silu_linear`, the down projection of one token takes the SwiGLU activation into its launch (`silu_forward`).
 
 Scales are plain absmax, not `quantize_int8_weight`'s clip search: that search lowers the weight MSE by ~3%
 (its docstring), which is worth little at 8 bits, and costs ~30 s for SmolLM2-135M on a 2-core CPU at every load.
@@ -31,7 +32,12 @@ from torch import nn
 from tandem.common.config import ConfigError
 from tandem.engine.model import LlamaForCausalLM
 from tandem.kernels.quant_linear import QuantWeight, linear_function
-from tandem.kernels.quant_small_m import SmallMWorkspace, small_m_add_norm_linear_triton, use_small_m
+from tandem.kernels.quant_small_m import (
+    SmallMWorkspace,
+    small_m_add_norm_linear_triton,
+    small_m_silu_linear_triton,
+    use_small_m,
+)
 
 # The linears each decoder layer quantizes, by their names under the layer.
 QUANTIZED_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -85,6 +91,13 @@ class QuantizedLinear(nn.Module):
             return None
         return small_m_add_norm_linear_triton(x, residual, norm_weight, eps, self.qweight, self.scales, self.bias,
                                               workspace=self._workspace)
+
+    def silu_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up, then this layer, in one launch, for one token's gate_up row [1, 2K] on the Triton backend
+        where the small-M kernel takes it; None where it cannot (the caller runs `silu_and_mul`, then `forward`)."""
+        if self._workspace is None or gate_up.shape[0] != 1 or not use_small_m(1, kind=self.kind):
+            return None
+        return small_m_silu_linear_triton(gate_up, self.qweight, self.scales, self.bias, workspace=self._workspace)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, "

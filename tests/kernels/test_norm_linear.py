@@ -1,6 +1,7 @@
 """RMSNorm (with the residual add) fused into the small-M linear (`small_m_add_norm_linear_triton`): the same
 result as the norm kernel then the linear, the new residual exact, the inputs untouched, every split and tile
-shape, int8 (per channel and grouped) and fp8 weights.
+shape, int8 (per channel and grouped) and fp8 weights. And SwiGLU's activation fused into it
+(`small_m_silu_linear_triton`) against `silu_and_mul` then the linear.
 
 Run: `TRITON_INTERPRET=1 pytest tests/kernels/test_norm_linear.py` (kernels through the interpreter on the CPU).
 """
@@ -16,8 +17,10 @@ from tandem.kernels.quant_small_m import (
     small_m_add_norm_linear_triton,
     small_m_launch_config,
     small_m_linear_triton,
+    small_m_silu_linear_triton,
 )
 from tandem.kernels.rms_norm import rms_norm_ref
+from tandem.kernels.silu_and_mul import silu_and_mul_ref
 
 EPS = 1e-5
 
@@ -84,3 +87,37 @@ def test_add_norm_linear_rejects_what_it_cannot_fuse(device: torch.device) -> No
     tensor_cores = small_m_launch_config(1, 32, 256, 0, 4, fma_max_m=0)
     with pytest.raises(ValueError, match="CUDA cores"):
         small_m_add_norm_linear_triton(x, residual, norm_weight, EPS, qw.qweight, qw.scales, config=tensor_cores)
+
+
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize(("kind", "n", "k", "group_size", "split_k"), CASES)
+def test_silu_linear_matches_silu_then_linear(kind: str, n: int, k: int, group_size: int | None,
+                                              split_k: int | None, dtype: torch.dtype, tol: dict[str, float],
+                                              device: torch.device) -> None:
+    _, _, _, qw, bias = _case(kind, n, k, group_size, dtype, device)
+    gate_up = torch.randn(1, 2 * k, device=device, dtype=dtype) * 2
+    config = None
+    if split_k is not None:
+        config = small_m_launch_config(1, n, k, group_size or 0, 4)._replace(split_k=split_k)
+    before = gate_up.clone()
+    out = small_m_silu_linear_triton(gate_up, qw.qweight, qw.scales, bias, config=config)
+    assert torch.equal(gate_up, before)
+    activation = silu_and_mul_ref(gate_up)
+    expected = small_m_linear_triton(activation, qw.qweight, qw.scales, bias, config=config)
+    assert out.shape == (1, n) and out.dtype == dtype
+    torch.testing.assert_close(out, expected, **tol)
+    exact = activation.double() @ qw.dequantize().double().T + bias.double()
+    torch.testing.assert_close(out.double(), exact, atol=1e-3 if dtype == torch.float32 else 5e-2,
+                               rtol=1e-3 if dtype == torch.float32 else 8e-3)
+
+
+@pytest.mark.usefixtures("needs_triton")
+def test_silu_linear_rejects_what_it_cannot_fuse(device: torch.device) -> None:
+    _, _, _, qw, _ = _case("int8", 32, 256, None, torch.float32, device)
+    with pytest.raises(ValueError, match=r"\[1, 2K\]"):
+        small_m_silu_linear_triton(torch.randn(1, 256, device=device), qw.qweight, qw.scales)
+    with pytest.raises(ValueError, match=r"\[1, 2K\]"):
+        small_m_silu_linear_triton(torch.randn(2, 512, device=device), qw.qweight, qw.scales)
+    tensor_cores = small_m_launch_config(1, 32, 256, 0, 4, fma_max_m=0)
+    with pytest.raises(ValueError, match="CUDA cores"):
+        small_m_silu_linear_triton(torch.randn(1, 512, device=device), qw.qweight, qw.scales, config=tensor_cores)

@@ -1,6 +1,7 @@
-"""The norm_linear fusion in the model (`LlamaDecoderLayer.norm_linear`): with it on, a quantized layer's qkv and
-gate_up projections of one token run the RMSNorm inside their launch, and the logits are those of the unfused
-path; steps of more than one token keep the norm kernel. Triton's interpreter on the CPU (fp32), or a GPU."""
+"""The norm_linear and silu_linear fusions in the model (`LlamaDecoderLayer.norm_linear`, `LlamaMLP.down`): with
+them on, a quantized layer's qkv and gate_up projections of one token run the RMSNorm inside their launch and its
+down projection the SwiGLU activation, and the logits are those of the unfused path; steps of more than one token
+keep the separate kernels. Triton's interpreter on the CPU (fp32), or a GPU."""
 
 from __future__ import annotations
 
@@ -67,3 +68,32 @@ def test_norm_linear_fusion_gives_the_unfused_logits(quantization: str, device: 
     # fp32 on the CPU: only the order of the mean square's sum differs; bf16 on a GPU may round a value differently.
     tolerance = 1e-5 if expected[1].dtype == torch.float32 else 2e-2
     assert (got[1] - expected[1]).abs().max() <= tolerance * scale
+
+
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_silu_linear_fusion_gives_the_unfused_logits(quantization: str, device: torch.device,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    if quantization == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 weights need compute capability 8.9")
+    calls: list[int] = []
+    real = quantization_module.small_m_silu_linear_triton
+
+    def spy(gate_up: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(gate_up.shape[0])
+        return real(gate_up, *args, **kwargs)
+
+    monkeypatch.setattr(quantization_module, "small_m_silu_linear_triton", spy)
+    prompt = list(range(300, 319))
+    torch.manual_seed(0)
+    unfused = _runner(quantization, "all", device)
+    torch.manual_seed(0)
+    fused = _runner(quantization, "all+silu_linear", device)
+    with torch.inference_mode():
+        expected = _prefill_then_decode(unfused, prompt)
+        got = _prefill_then_decode(fused, prompt)
+    assert calls == [1] * fused.model.num_layers  # the decode step's down projections only
+    torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)
+    # the same arithmetic in the same order: equal on the CPU; bf16 on a GPU may differ in the last place
+    tolerance = 0.0 if expected[1].dtype == torch.float32 else 2e-2
+    assert (got[1] - expected[1]).abs().max() <= tolerance * expected[1].abs().max()

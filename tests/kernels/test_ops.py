@@ -61,8 +61,10 @@ def test_fusion_names_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_fusions("all") == parse_fusions(" rope_store , add_norm ") == frozenset(FUSIONS)
     assert parse_fusions("none") == parse_fusions("") == parse_fusions([]) == frozenset()
     assert fusions_label(frozenset()) == "none" and fusions_label(frozenset(FUSIONS)) == "all"
-    # norm_linear is no op of the bundle: the model's layers apply it (tests/kernels/test_norm_linear_model.py).
-    assert set(OPT_IN_OPS) | {"norm_linear"} == set(OPT_IN_FUSIONS) and not set(OPT_IN_FUSIONS) & parse_fusions("all")
+    # norm_linear and silu_linear are no ops of the bundle: the model's layers apply them
+    # (tests/kernels/test_norm_linear_model.py).
+    assert set(OPT_IN_OPS) | {"norm_linear", "silu_linear"} == set(OPT_IN_FUSIONS)
+    assert not set(OPT_IN_FUSIONS) & parse_fusions("all")
     assert fusions_label(parse_fusions("attn_combine,rope_store,add_norm")) == "all+attn_combine"
     assert fusions_label(parse_fusions("attn_combine+add_norm")) == "add_norm+attn_combine"
     with pytest.raises(ValueError, match="unknown fusion 'rope'"):
