@@ -85,6 +85,7 @@
 #   pipe_min the 128-token row of pipe and the gateway alone with the pacer off / 16, ~5 min
 #   pdl      #18: PDL on / off and the norm_linear fusion (decode step table, tests, profiles), ~9 min
 #   serve14  #14: the serve benchmark, colocated and disaggregated, 2-48 req/s, ~5 min
+#   serve14b #14: serve14's disaggregated run with every worker's step budget at 2,048 tokens, ~3 min
 #   next18   #18: what came after the 12-07 H100 call: PDL's graph-edge test and determinism check, the greedy
 #            sampler's kernel against torch, the silu_linear fusion's A/B, the int8 batch-1 profile, ~6 min
 #
@@ -1134,6 +1135,16 @@ suite_serve14() {
             --max-num-seqs "$(n 128 8)" --rates "$(n "${SERVE14_RATES:-2,8,16,32,48}" 4)" --num-requests "$(n 128 4)" \
             --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-$mode.json"
     done
+}
+
+# Next (#14), after the 12-07 H100 serve14: disaggregated ITL p99 rose above colocated's at 32-48 req/s (76 / 116 ms
+# against 68 / 66) while the prefill worker ran 8,192-token steps beside decode's; the same with every worker's step
+# budget at 2,048 tokens (decode's default already), so a prefill step holds the GPU a quarter as long. ~3 min.
+suite_serve14b() {
+    step serve-disagg-mbt2048 170 $PY -m tandem.benchmarks.serve_modes --mode disagg --model "$BIG" --device "$DEVICE" \
+        --max-num-seqs "$(n 128 8)" --rates "$(n "${SERVE14_RATES:-2,8,16,32,48}" 4)" --num-requests "$(n 128 4)" \
+        --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" \
+        --stack-args "--max-num-batched-tokens $(n 2048 64)" --out "$OUT/serve-disagg-mbt2048.json"
 }
 
 # 2026-12-07, third session (#14, #15): the serve benchmark both ways on this code, then where a pipelined burst of the
