@@ -47,7 +47,8 @@ KINDS = ("int8", "fp8")
 
 def make_impls(kind: str, m: int, n: int, k: int, num_sms: int, sweep: bool) -> dict[str, Callable[..., Any]]:
     """name -> fn(x, qweight, scales, w_bf16) for one case."""
-    from tandem.kernels.quant_linear import fp8_linear_triton, int8_launch_config, int8_linear_triton
+    from tandem.kernels.fp8_linear import fp8_linear_triton
+    from tandem.kernels.int8_linear import int8_launch_config, int8_linear_triton
     from tandem.kernels.quant_small_m import SmallMWorkspace, small_m_launch_config
 
     linear = int8_linear_triton if kind == "int8" else fp8_linear_triton

@@ -24,7 +24,7 @@ prompts, the running maximum kept per layer, then `kv_scales_from_absmax`) maps 
 448 / headroom (default 2, so a later value twice the calibrated maximum still is not clipped). Scales
 must be fixed before the first page is written and stay fixed while any page written with them lives.
 
-The Triton writers quantize with integer bit arithmetic (`quant_linear._e4m3_bits`), not Triton's
+The Triton writers quantize with integer bit arithmetic (`fp8_linear._e4m3_bits`), not Triton's
 fp32 -> fp8 cast: the interpreter's cast rounds wrongly (-127.89 -> -64), so this is the only way to
 check the kernels bit for bit against `quantize_kv` on a CPU; it matches torch's cast on CUDA too. The
 readers use Triton's fp8 -> bf16/fp32 conversion (checked exact in the interpreter for all 254 finite
@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 
 from tandem.kernels._triton import tl, triton
-from tandem.kernels.quant_linear import FP8_DTYPE, FP8_MAX, _e4m3_bits
+from tandem.kernels.fp8_linear import FP8_MAX, _e4m3_bits
+from tandem.kernels.quant_common import FP8_DTYPE
 
 FP8_KV_DTYPE = FP8_DTYPE
 DEFAULT_HEADROOM = 2.0

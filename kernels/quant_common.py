@@ -12,6 +12,8 @@ from tandem.kernels._triton import pdl_prologue, tl, triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Below this absolute maximum a row is treated as zero by the quantizers (scale 1e-12 / qmax, codes 0): avoids 0 / 0.
+MIN_AMAX = 1e-12
 
 
 def check_linear_args(op: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -55,7 +57,7 @@ def check_linear_args(op: str, x: torch.Tensor, qweight: torch.Tensor, scales: t
 # 2,576 tok/s with it, 2,295 without); the small-M GEMV at M = 1 converts by integer ops (llama-3.1-8b decode step at
 # batch 1 on an H100, two sessions: 4.25 / 4.26 ms against 4.51 / 4.46 with the GEMM; the GEMV with I2F 4.51 / 4.52).
 INT8_BITS_ENV = "TANDEM_QUANT_INT8_BITS"  # 1: the integer-op conversion, 0: I2F, in every int8 kernel
-INT8_BITS_DEFAULT = False  # the large-M GEMM (`quant_linear._int8_linear_kernel`)
+INT8_BITS_DEFAULT = False  # the large-M GEMM (`int8_linear._int8_linear_kernel`)
 SMALL_M_INT8_BITS_DEFAULT = True  # the small-M GEMV (`quant_small_m._small_m_linear_kernel`)
 
 

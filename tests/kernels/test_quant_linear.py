@@ -9,25 +9,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels.quant_linear import (
-    FP8_DTYPE,
+from tandem.kernels.fp8_linear import (
     FP8_MAX,
     Fp8LinearConfig,
-    Int8LinearConfig,
-    QuantWeight,
-    dequantize_int8_weight,
     fp8_linear_ref,
     fp8_linear_triton,
+    quantize_fp8_activation,
+    quantize_fp8_activation_triton,
+    quantize_fp8_weight,
+)
+from tandem.kernels.int8_linear import (
+    Int8LinearConfig,
+    dequantize_int8_weight,
     int8_launch_config,
     int8_linear_cpu,
     int8_linear_ref,
     int8_linear_triton,
-    quant_linear,
-    quantize_fp8_activation,
-    quantize_fp8_activation_triton,
-    quantize_fp8_weight,
     quantize_int8_weight,
 )
+from tandem.kernels.quant_common import FP8_DTYPE
+from tandem.kernels.quant_linear import QuantWeight, quant_linear
 
 # (M, N, K): one token; K not a multiple of any block and N odd; more rows than one 16-row block.
 LINEAR_SHAPES = [(1, 7, 40), (3, 33, 200), (17, 65, 300)]

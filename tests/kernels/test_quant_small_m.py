@@ -9,27 +9,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tandem.kernels.quant_linear as quant_linear_module
+import tandem.kernels.fp8_linear as fp8_linear_module
+import tandem.kernels.int8_linear as int8_linear_module
+from tandem.kernels.fp8_linear import (
+    fp8_linear_ref,
+    fp8_linear_torch,
+    fp8_linear_triton,
+    fp8_weight_only_ref,
+    quantize_fp8_weight,
+)
+from tandem.kernels.int8_linear import (
+    Int8LinearConfig,
+    int8_launch_config,
+    int8_linear_ref,
+    int8_linear_triton,
+    quantize_int8_weight,
+)
 from tandem.kernels.quant_common import (
     INT8_BITS_DEFAULT,
     INT8_BITS_ENV,
     SMALL_M_INT8_BITS_DEFAULT,
     int8_bits_default,
 )
-from tandem.kernels.quant_linear import (
-    Int8LinearConfig,
-    QuantWeight,
-    fp8_linear_ref,
-    fp8_linear_torch,
-    fp8_linear_triton,
-    fp8_weight_only_ref,
-    int8_launch_config,
-    int8_linear_ref,
-    int8_linear_triton,
-    linear_function,
-    quantize_fp8_weight,
-    quantize_int8_weight,
-)
+from tandem.kernels.quant_linear import QuantWeight, linear_function
 from tandem.kernels.quant_small_m import (
     SMALL_M_ENV,
     SmallMConfig,
@@ -202,13 +204,14 @@ def test_small_m_bf16_activations(device: torch.device) -> None:
 def test_dispatch_picks_small_m_by_m(small_m_env, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
                                      device: torch.device) -> None:
     calls: list[int] = []
-    real = quant_linear_module.small_m_linear_triton
+    real = int8_linear_module.small_m_linear_triton
 
     def spy(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # type: ignore[no-untyped-def]
         calls.append(x.shape[0])
         return real(x, *args, **kwargs)
 
-    monkeypatch.setattr(quant_linear_module, "small_m_linear_triton", spy)
+    monkeypatch.setattr(int8_linear_module, "small_m_linear_triton", spy)
+    monkeypatch.setattr(fp8_linear_module, "small_m_linear_triton", spy)
     small_m_env(**{SMALL_M_ENV: "16"})  # both kinds up to 16 (the defaults differ per kind: the settings test)
     w = torch.randn(24, 64, device=device)
     qi, si = quantize_int8_weight(w)
@@ -252,15 +255,15 @@ def test_engine_decode_takes_the_small_m_path(small_m_env, monkeypatch: pytest.M
     from tandem.kernels import get_ops
     from tandem.models import load_model_config
 
-    small_m_env(**{SMALL_M_ENV: "16"})  # int8 takes it only when asked (its default: never)
+    small_m_env(**{SMALL_M_ENV: "16"})  # int8 up to M = 16 (its default: M = 1)
     calls: list[tuple[int, bool]] = []
-    real = quant_linear_module.small_m_linear_triton
+    real = int8_linear_module.small_m_linear_triton
 
     def spy(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # type: ignore[no-untyped-def]
         calls.append((x.shape[0], isinstance(kwargs.get("workspace"), SmallMWorkspace)))
         return real(x, *args, **kwargs)
 
-    monkeypatch.setattr(quant_linear_module, "small_m_linear_triton", spy)
+    monkeypatch.setattr(int8_linear_module, "small_m_linear_triton", spy)
     model = replace(load_model_config("dummy:tiny", fetch=False), quantization="int8")
     config = EngineConfig(model=model, cache=CacheConfig(block_size=8, num_blocks=8),
                           scheduler=SchedulerConfig(max_model_len=64))

@@ -29,7 +29,7 @@ from tandem.engine.request import KVMirror, Request
 from tandem.engine.runner import ModelRunner
 from tandem.engine.weights import build_model, load_weights
 from tandem.kernels import get_ops
-from tandem.kernels.quant_linear import dequantize_int8_weight
+from tandem.kernels.int8_linear import dequantize_int8_weight
 from tandem.models import load_model_config, load_tokenizer
 from tandem.serving.kv_transfer import messages_to_pages, pages_to_messages
 from tests.factories import prompts_for, save_random_hf_model
