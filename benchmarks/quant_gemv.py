@@ -75,7 +75,30 @@ def make_impls(kind: str, m: int, n: int, k: int, num_sms: int, sweep: bool) -> 
         for variant, fma_max_m in (("fma", 16), ("dot", 0)):
             for per_sm in (1, 2, 4, 8):
                 impls[f"new-{variant}-pps{per_sm}"] = small(fma_max_m=fma_max_m, programs_per_sm=per_sm)
+        if m == 1:  # the CUDA-core GEMV's tile and warps (default 32 x 256, 4 warps), integer-op conversion for int8
+            for block_n, block_k, warps in ((16, 256, 4), (32, 128, 4), (32, 512, 4), (64, 256, 8), (32, 256, 8),
+                                            (64, 128, 4)):
+                cfg = _fma_tile(n, k, num_sms, block_n, block_k, warps, kind == "int8")
+                impls[f"new-bits-n{block_n}-k{block_k}-w{warps}"] = \
+                    lambda x, q, s, w, cfg=cfg: linear(x, q, s, config=cfg, workspace=workspace)
     return impls
+
+
+def _fma_tile(n: int, k: int, num_sms: int, block_n: int, block_k: int, num_warps: int, int8_bits: bool) -> Any:
+    """`small_m_launch_config`'s M = 1 settings with another tile and warp count, split-K re-derived the same way
+    (~4 programs per SM)."""
+    import triton
+
+    from tandem.kernels.quant_small_m import small_m_k_per_split, small_m_launch_config
+
+    tiles_n = triton.cdiv(n, block_n)
+    split = 1
+    if tiles_n < 4 * num_sms:
+        split = max(1, min(triton.cdiv(4 * num_sms, tiles_n), k // (2 * block_k), 32))
+    split = triton.cdiv(k, small_m_k_per_split(k, block_k, split))
+    base = small_m_launch_config(1, n, k, 0, num_sms, int8_bits=int8_bits)
+    return base._replace(block_n=block_n, block_k=block_k, num_warps=num_warps, split_k=split,
+                         fused_reduce=split > 1)
 
 
 def time_graph(fn: Callable[[int], Any], copies: int, iters: int, warmup: int, device: torch.device) -> float:

@@ -86,6 +86,7 @@
 #   pdl      #18: PDL on / off and the norm_linear fusion (decode step table, tests, profiles), ~9 min
 #   serve14  #14: the serve benchmark, colocated and disaggregated, 2-48 req/s, ~5 min
 #   serve14b #14: serve14's disaggregated run with every worker's step budget at 2,048 tokens, ~3 min
+#   gemv18   #18: the M = 1 GEMV swept (split-K targets, CUDA-core tiles and warps), int8 and fp8, ~3 min
 #   next18   #18: what came after the 12-07 H100 call: PDL's graph-edge test and determinism check, the greedy
 #            sampler's kernel against torch, the silu_linear fusion's A/B, the int8 batch-1 profile, ~6 min
 #
@@ -1135,6 +1136,14 @@ suite_serve14() {
             --max-num-seqs "$(n 128 8)" --rates "$(n "${SERVE14_RATES:-2,8,16,32,48}" 4)" --num-requests "$(n 128 4)" \
             --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" --out "$OUT/serve-$mode.json"
     done
+}
+
+# Next (#18): the int8 GEMV at one token, the gap to int8's 400 tok/s (its GEMV is 3.08 of a 4.14 ms step on the H100,
+# 75% of bandwidth; 60% on the H200 of 12-01): every projection at M = 1 with split-K targets and CUDA-core tiles and
+# warps swept (`quant_gemv --sweep`). ~3 min.
+suite_gemv18() {
+    step gemv18 170 $TI $PY -m tandem.benchmarks.quant_gemv $DRY --sweep --kinds int8,fp8 --m 1 \
+        --out "$OUT/quant-gemv-sweep.json"
 }
 
 # Next (#14), after the 12-07 H100 serve14: disaggregated ITL p99 rose above colocated's at 32-48 req/s (76 / 116 ms
