@@ -66,10 +66,12 @@ def make_impls(kind: str, m: int, n: int, k: int, num_sms: int, sweep: bool) -> 
     impls["new-fma"] = small(fma_max_m=16)
     impls["new-dot"] = small(fma_max_m=0)
     impls["new-2kernel"] = small(fused_reduce=False)
+    impls["new-xtile"] = small(x_tile=True)  # M = 1: the activations in the weight tile's layout (no barriers)
     if kind == "int8":  # the weight converted by integer ops instead of I2F (quant_common.int8_to_float32)
         old_bits = int8_launch_config(m, n, k, 0, num_sms, int8_bits=True)
         impls["old-bits"] = lambda x, q, s, w: linear(x, q, s, config=old_bits)
         impls["new-bits"] = small(int8_bits=True)
+        impls["new-bits-xtile"] = small(int8_bits=True, x_tile=True)
         impls["new-dot-bits"] = small(fma_max_m=0, int8_bits=True)
     if sweep:
         for variant, fma_max_m in (("fma", 16), ("dot", 0)):

@@ -72,6 +72,7 @@ SMALL_M_ENV = "TANDEM_QUANT_SMALL_M"  # max M of the small-M path; 0 turns it of
 FMA_MAX_M_ENV = "TANDEM_QUANT_FMA_MAX_M"  # max M of its CUDA-core variant; larger M use the tensor cores (default 1)
 FUSED_REDUCE_ENV = "TANDEM_QUANT_FUSED_REDUCE"  # 0: split-K partials summed by a second kernel (default 1)
 PROGRAMS_PER_SM_ENV = "TANDEM_QUANT_PROGRAMS_PER_SM"  # split-K target; default 4 (CUDA cores) / 2 (tensor cores)
+X_TILE_ENV = "TANDEM_QUANT_X_TILE"  # 1: M = 1's activations loaded in the weight tile's layout (`SmallMConfig.x_tile`)
 
 
 # The largest M that takes the small-M path by default, per kind. fp8, as measured on an H200 (llama-3.1-8b's four
@@ -88,6 +89,7 @@ class SmallMSettings(NamedTuple):
     fma_max_m: int = 1
     fused_reduce: bool = True
     programs_per_sm: int | None = None  # None: the config's default per variant
+    x_tile: bool = False
 
 
 def _env_int(name: str, default: int, low: int, high: int) -> int:
@@ -115,7 +117,8 @@ def small_m_settings() -> SmallMSettings:
     return SmallMSettings(max_m=None if max_m < 0 else max_m,
                           fma_max_m=_env_int(FMA_MAX_M_ENV, 1, 0, SMALL_M_LIMIT),
                           fused_reduce=_env_int(FUSED_REDUCE_ENV, 1, 0, 1) == 1,
-                          programs_per_sm=per_sm or None)
+                          programs_per_sm=per_sm or None,
+                          x_tile=_env_int(X_TILE_ENV, 0, 0, 1) == 1)
 
 
 def use_small_m(m: int, small_m: bool | None = None, kind: str = "fp8") -> bool:
@@ -142,6 +145,11 @@ class SmallMConfig(NamedTuple):
     num_stages: int
     fused_reduce: bool  # split-K partials summed by the last program of each N tile (else a second kernel)
     int8_bits: bool = False  # int8 weights converted by integer ops, not I2F (`quant_common.int8_to_float32`)
+    # M = 1 on the CUDA cores: the activations loaded as a [BLOCK_N, BLOCK_K] tile whose rows are alike, in the
+    # weight tile's layout, rather than as one [BLOCK_K] row that the compiler re-lays out through shared memory
+    # every K step (four CTA barriers per step in the sm_90 PTX; none this way, at the price of L1-served repeat
+    # loads). The same sums bit for bit. Off until measured ($TANDEM_QUANT_X_TILE).
+    x_tile: bool = False
 
 
 def small_m_k_per_split(k: int, block_k: int, split_k: int) -> int:
@@ -152,7 +160,7 @@ def small_m_k_per_split(k: int, block_k: int, split_k: int) -> int:
 
 def small_m_launch_config(m: int, n: int, k: int, group_size: int, num_sms: int, *,
                           fma_max_m: int = 1, programs_per_sm: int | None = None,
-                          fused_reduce: bool = True, int8_bits: bool = False) -> SmallMConfig:
+                          fused_reduce: bool = True, int8_bits: bool = False, x_tile: bool = False) -> SmallMConfig:
     """Launch settings of `_small_m_linear_kernel` for x [m, k] (1 <= m <= 16) and a weight [n, k] of int8 or
     fp8 (the same for both: one byte per weight). A pure function of its arguments.
 
@@ -192,7 +200,7 @@ def small_m_launch_config(m: int, n: int, k: int, group_size: int, num_sms: int,
         split_k = max(1, min(triton.cdiv(target, tiles_n), k // (2 * block_k), _MAX_SPLIT_K))
     split_k = triton.cdiv(k, small_m_k_per_split(k, block_k, split_k))  # the slices actually launched
     return SmallMConfig(use_dot, block_m, block_n, block_k, split_k, num_warps, num_stages,
-                        fused_reduce and split_k > 1, int8_bits)
+                        fused_reduce and split_k > 1, int8_bits, x_tile and not use_dot and block_m == 1)
 
 
 class SmallMWorkspace:
@@ -277,7 +285,7 @@ def _small_m_linear_kernel(
     USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr, INT8_BITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-    res_ptr, norm_w_ptr, new_res_ptr, eps, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
+    res_ptr, norm_w_ptr, new_res_ptr, eps, NORM: tl.constexpr, SILU_MUL: tl.constexpr, X_TILE: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
     # Grid (N tiles, K slices); one M tile holds every row (M <= BLOCK_M). Rows past M / N read a valid row
@@ -318,6 +326,11 @@ def _small_m_linear_kernel(
         elif NORM > 0:  # the activation row normalized here (and the new residual stored by the first N tile)
             x = _normed_tile(x_ptr, res_ptr, norm_w_ptr, new_res_ptr, k + offs_k, k_end, rstd,
                              tl.where(pid_n == 0, K, 0), NORM == 2)
+        elif X_TILE:  # the row as a [BLOCK_N, BLOCK_K] tile of equal rows, in the weight tile's layout
+            if EVEN_K:
+                x = tl.load(x_row_ptrs[None, :] + 0 * offs_n[:, None])
+            else:
+                x = tl.load(x_row_ptrs[None, :] + 0 * offs_n[:, None], mask=k_mask[None, :], other=0.0)
         elif BLOCK_M == 1 and not USE_DOT:  # one activation row, [BLOCK_K]
             if EVEN_K:
                 x = tl.load(x_row_ptrs)
@@ -336,9 +349,15 @@ def _small_m_linear_kernel(
             else:
                 acc += part
         elif BLOCK_M == 1 and GROUP_SIZE == 0:
-            acc_k += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            if X_TILE:
+                acc_k += w.to(tl.float32) * x.to(tl.float32)
+            else:
+                acc_k += w.to(tl.float32) * x.to(tl.float32)[None, :]
         elif BLOCK_M == 1:
-            part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BN]
+            if X_TILE:
+                part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)  # [BN]
+            else:
+                part = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)  # [BN]
             acc += (part * tl.load(scales_ptr + rows_w * stride_sn + k // GROUP_SIZE))[None, :]
         else:
             part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [BM, BN]
@@ -479,7 +498,8 @@ def _small_m_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         config = small_m_launch_config(m, n, k, group_size, num_sms(x.device),
                                        fma_max_m=max(settings.fma_max_m, 1 if norm or silu_mul else 0),
                                        programs_per_sm=settings.programs_per_sm, fused_reduce=settings.fused_reduce,
-                                       int8_bits=int8_bits_default(SMALL_M_INT8_BITS_DEFAULT))
+                                       int8_bits=int8_bits_default(SMALL_M_INT8_BITS_DEFAULT),
+                                       x_tile=settings.x_tile)
     cfg = config
     if cfg.block_m < m or cfg.split_k < 1 or (cfg.use_dot and cfg.block_m < 16) \
             or (group_size and group_size % cfg.block_k):
@@ -514,7 +534,7 @@ def _small_m_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_PDL=pdl, res_ptr=residual, norm_w_ptr=x if norm is None else norm.weight,
         new_res_ptr=x if norm is None else norm.new_residual, eps=0.0 if norm is None else norm.eps, NORM=norm_kind,
-        SILU_MUL=silu_mul,
+        SILU_MUL=silu_mul, X_TILE=cfg.x_tile and norm is None and not silu_mul and cfg.block_m == 1 and not cfg.use_dot,
         launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not is_single_split and not fused:

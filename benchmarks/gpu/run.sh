@@ -88,7 +88,7 @@
 #   serve14b #14: serve14's disaggregated run with every worker's step budget at 2,048 tokens, ~3 min
 #   gemv18   #18: the M = 1 GEMV swept (split-K targets, CUDA-core tiles and warps), int8 and fp8, ~3 min
 #   next18   #18: what came after the 12-07 H100 call: PDL's graph-edge test and determinism check, the greedy
-#            sampler's kernel against torch, the silu_linear fusion's A/B, the int8 batch-1 profile, ~6 min
+#            sampler's kernel against torch, the silu_linear and x_tile A/Bs, the int8 batch-1 profile, ~8 min
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
@@ -1208,8 +1208,8 @@ suite_pdl() {
 # Next (#18), after the 12-07 H100 call: the tests of what came since (PDL's graph-edge test, the greedy sampler's
 # kernel, the silu_linear fusion's kernel and model tests, PDL's on/off test), where fp8's logprobs move with PDL on
 # (prompt steps eager: `pdl_determinism --no-piecewise`), the greedy sampler against torch's reductions, the
-# silu_linear fusion off / on / off / on (int8, fp8 at batch 1, PDL off), and the int8 batch-1 profile again (the
-# sampler's ~55 us should be gone). ~6 min.
+# silu_linear fusion off / on / off / on (int8, fp8 at batch 1, PDL off), the same for $TANDEM_QUANT_X_TILE, and the
+# int8 batch-1 profile again (the sampler's ~55 us should be gone). ~8 min.
 suite_next18() {
     step next18-tests 200 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_pdl_graph_edges_gpu.py \
         tests/kernels/test_greedy_sample.py tests/kernels/test_norm_linear.py tests/kernels/test_norm_linear_model.py \
@@ -1224,6 +1224,13 @@ suite_next18() {
         for f in all all+silu_linear; do
             step "sl-${f#all+}-$i" 90 env TANDEM_PDL=0 TANDEM_FUSIONS=$f $Q decode-latency $DRY --model "$BIG" \
                 --variants int8,fp8 --batches 1 --steps "$(n 50 3)" --out "$OUT/sl-${f#all+}-$i"
+        done
+    done
+    # M = 1's activations in the weight tile's layout (no CTA barriers per K step), off / on / off / on.
+    for i in 1 2; do
+        for f in 0 1; do
+            step "xt$f-$i" 90 env TANDEM_PDL=0 TANDEM_QUANT_X_TILE=$f $Q decode-latency $DRY --model "$BIG" \
+                --variants int8,fp8 --batches 1 --steps "$(n 50 3)" --out "$OUT/xt$f-$i"
         done
     done
     local E="$PY -m tandem.benchmarks.gpu_engine"

@@ -34,6 +34,7 @@ from tandem.kernels.quant_common import (
 from tandem.kernels.quant_linear import QuantWeight, linear_function
 from tandem.kernels.quant_small_m import (
     SMALL_M_ENV,
+    X_TILE_ENV,
     SmallMConfig,
     SmallMWorkspace,
     small_m_k_per_split,
@@ -115,9 +116,10 @@ def test_small_m_settings_from_env(small_m_env) -> None:  # type: ignore[no-unty
     assert use_small_m(16, kind="int8") and use_small_m(16, kind="fp8") and not use_small_m(17)
     small_m_env(**{SMALL_M_ENV: "0"})
     assert not use_small_m(1) and use_small_m(1, small_m=True)
+    assert not small_m_settings().x_tile
     small_m_env(**{SMALL_M_ENV: "4", "TANDEM_QUANT_FMA_MAX_M": "2", "TANDEM_QUANT_FUSED_REDUCE": "0",
-                   "TANDEM_QUANT_PROGRAMS_PER_SM": "6"})
-    assert small_m_settings() == (4, 2, False, 6) and use_small_m(4) and not use_small_m(5)
+                   "TANDEM_QUANT_PROGRAMS_PER_SM": "6", X_TILE_ENV: "1"})
+    assert small_m_settings() == (4, 2, False, 6, True) and use_small_m(4) and not use_small_m(5)
     small_m_env(**{SMALL_M_ENV: "32"})
     with pytest.raises(ValueError, match="TANDEM_QUANT_SMALL_M=32"):
         small_m_settings()
@@ -162,6 +164,21 @@ def test_small_m_kernel_matches_dequantized_matmul(case: tuple[str, int, int, in
     ref = int8_linear_ref(x, qw.qweight, qw.scales, bias) if kind == "int8" else \
         fp8_weight_only_ref(x, qw.qweight, qw.scales, bias)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize("case", [c for c in SMALL_M_CASES if c[1] == 1], ids=lambda c: "-".join(map(str, c)))
+def test_x_tile_gives_the_same_sums(case: tuple[str, int, int, int, int | None], device: torch.device) -> None:
+    """M = 1's activations loaded as a tile in the weight's layout (`x_tile`): the same products, summed in the same
+    order, so the same bits; only the CUDA-core M = 1 variant takes it."""
+    kind, m, n, k, group_size = case
+    x, qw, bias, _ = _small_m_case(kind, m, n, k, group_size, True, device)
+    cfg = small_m_launch_config(m, n, k, group_size or 0, 4, programs_per_sm=8)
+    tiled = small_m_launch_config(m, n, k, group_size or 0, 4, programs_per_sm=8, x_tile=True)
+    assert tiled.x_tile and tiled._replace(x_tile=False) == cfg
+    assert not small_m_launch_config(4, n, k, group_size or 0, 4, x_tile=True).x_tile  # tensor cores: no
+    out = small_m_linear_triton(x, qw.qweight, qw.scales, bias, config=cfg)
+    assert torch.equal(small_m_linear_triton(x, qw.qweight, qw.scales, bias, config=tiled), out)
 
 
 @pytest.mark.usefixtures("needs_triton")
