@@ -494,7 +494,8 @@ def _small_m_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         return out
     if config is None:
         settings = small_m_settings()
-        # A fused norm needs the CUDA-core variant: M = 1 takes it whatever $TANDEM_QUANT_FMA_MAX_M says.
+        # A fused input (norm, SwiGLU) needs the CUDA-core variant: M = 1 takes it whatever $TANDEM_QUANT_FMA_MAX_M
+        # says.
         config = small_m_launch_config(m, n, k, group_size, num_sms(x.device),
                                        fma_max_m=max(settings.fma_max_m, 1 if norm or silu_mul else 0),
                                        programs_per_sm=settings.programs_per_sm, fused_reduce=settings.fused_reduce,
@@ -505,9 +506,10 @@ def _small_m_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
             or (group_size and group_size % cfg.block_k):
         raise ValueError(f"{op}: config {cfg} invalid for M={m} (block_m >= M, 16 with use_dot; split_k >= 1; "
                          f"block_k must divide the group size)")
-    if (norm is not None or silu_mul) and (cfg.use_dot or cfg.block_m != 1):
-        raise ValueError(f"{'silu_linear' if silu_mul else 'add_norm_linear'}: config {cfg} invalid: a fused input "
-                         f"runs on the CUDA cores at M = 1 (use_dot False, block_m 1)")
+    if (norm is not None or silu_mul or cfg.x_tile) and (cfg.use_dot or cfg.block_m != 1):
+        name = "silu_linear" if silu_mul else "add_norm_linear" if norm is not None else op
+        raise ValueError(f"{name}: config {cfg} invalid: a fused input or x_tile runs on the CUDA cores at M = 1 "
+                         f"(use_dot False, block_m 1)")
     k_per_split = small_m_k_per_split(k, cfg.block_k, cfg.split_k)
     split_k = triton.cdiv(k, k_per_split)
     is_single_split = split_k == 1
@@ -534,7 +536,7 @@ def _small_m_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_PDL=pdl, res_ptr=residual, norm_w_ptr=x if norm is None else norm.weight,
         new_res_ptr=x if norm is None else norm.new_residual, eps=0.0 if norm is None else norm.eps, NORM=norm_kind,
-        SILU_MUL=silu_mul, X_TILE=cfg.x_tile and norm is None and not silu_mul and cfg.block_m == 1 and not cfg.use_dot,
+        SILU_MUL=silu_mul, X_TILE=cfg.x_tile and norm is None and not silu_mul,  # a fused input is made as a row
         launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not is_single_split and not fused:

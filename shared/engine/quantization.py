@@ -82,12 +82,17 @@ class QuantizedLinear(nn.Module):
             return self._linear(x, self.qweight, self.scales, self.bias, workspace=self._workspace)
         return self._linear(x, self.qweight, self.scales, self.bias)
 
+    def _fuses_input(self, x: torch.Tensor) -> bool:
+        """Whether this layer's launch can make its own input (a norm, SwiGLU): one token, on the Triton backend,
+        where the small-M kernel takes it."""
+        return self._workspace is not None and x.shape[0] == 1 and use_small_m(1, kind=self.kind)
+
     def add_norm_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                          eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """RMSNorm of x (+ residual), then this layer, in one launch: (out [1, N], new residual [1, K]) for one token
         on the Triton backend where the small-M kernel takes it (`use_small_m`); None where it cannot (the caller
         runs the norm, then `forward`)."""
-        if self._workspace is None or x.shape[0] != 1 or not use_small_m(1, kind=self.kind):
+        if not self._fuses_input(x):
             return None
         return small_m_add_norm_linear_triton(x, residual, norm_weight, eps, self.qweight, self.scales, self.bias,
                                               workspace=self._workspace)
@@ -95,7 +100,7 @@ class QuantizedLinear(nn.Module):
     def silu_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up, then this layer, in one launch, for one token's gate_up row [1, 2K] on the Triton backend
         where the small-M kernel takes it; None where it cannot (the caller runs `silu_and_mul`, then `forward`)."""
-        if self._workspace is None or gate_up.shape[0] != 1 or not use_small_m(1, kind=self.kind):
+        if not self._fuses_input(gate_up):
             return None
         return small_m_silu_linear_triton(gate_up, self.qweight, self.scales, self.bias, workspace=self._workspace)
 
