@@ -34,7 +34,7 @@ from tandem.common.sampling_params import SamplingParams
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
-from tandem.engine.scheduler import num_blocks_for
+from tandem.engine.step_plan import num_blocks_for
 from tandem.kernels import get_ops
 from tandem.kernels.ops import fusions_label, parse_fusions
 from tandem.models import load_model_config

@@ -33,8 +33,9 @@ from tandem.engine.draft import DraftProposer, draft_engine_config, draft_kv_sha
 from tandem.engine.ngram import NgramProposer
 from tandem.engine.request import KVMirror, Request, RequestStatus
 from tandem.engine.runner import LaunchedStep, ModelRunner
-from tandem.engine.scheduler import Scheduler, SchedulerOutput, num_blocks_for
+from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec_decode import SpeculativeConfig
+from tandem.engine.step_plan import SchedulerOutput, num_blocks_for
 
 log = logging.getLogger(__name__)
 

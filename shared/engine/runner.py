@@ -23,9 +23,9 @@ from tandem.engine.model import LlamaForCausalLM
 from tandem.engine.request import KVMirror, Request
 from tandem.engine.rope import cos_sin_cache
 from tandem.engine.sampler import SamplingTensors, sample
-from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.spec_decode import pad_proposals, verify_proposals
 from tandem.engine.staging import HostStaging, staging_enabled
+from tandem.engine.step_plan import SchedulerOutput
 from tandem.engine.weights import build_model, load_weights
 from tandem.kernels import Ops, get_ops, triton_available
 from tandem.kernels.cpu_linear import pack_linears

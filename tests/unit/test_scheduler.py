@@ -12,7 +12,8 @@ from tandem.common.config import SchedulerConfig
 from tandem.common.sampling_params import SamplingParams
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.scheduler import Scheduler, num_blocks_for
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.step_plan import num_blocks_for
 
 EOS = 2
 BLOCK = 4
@@ -331,7 +332,7 @@ def test_chunks_shrink_past_a_long_context() -> None:
     """A prompt chunk takes the whole budget up to LONG_CONTEXT_TOKENS of context, then a share that falls with the
     context (its attention grows with it), so a step shared with decode tokens stays about as long; every prompt
     token is still computed exactly once."""
-    from tandem.engine.scheduler import LONG_CONTEXT_TOKENS, chunk_limit
+    from tandem.engine.step_plan import LONG_CONTEXT_TOKENS, chunk_limit
 
     assert chunk_limit(2048, 0) == chunk_limit(2048, LONG_CONTEXT_TOKENS) == 2048
     assert chunk_limit(2048, 2 * LONG_CONTEXT_TOKENS) == 1024 and chunk_limit(2048, 4 * LONG_CONTEXT_TOKENS) == 512

@@ -14,7 +14,8 @@ from tandem.common.config import SchedulerConfig
 from tandem.common.sampling_params import SamplingParams
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.request import Request
-from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.step_plan import SchedulerOutput
 
 EOS = 2
 STOP = 3
