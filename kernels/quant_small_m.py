@@ -72,7 +72,14 @@ SMALL_M_ENV = "TANDEM_QUANT_SMALL_M"  # max M of the small-M path; 0 turns it of
 FMA_MAX_M_ENV = "TANDEM_QUANT_FMA_MAX_M"  # max M of its CUDA-core variant; larger M use the tensor cores (default 1)
 FUSED_REDUCE_ENV = "TANDEM_QUANT_FUSED_REDUCE"  # 0: split-K partials summed by a second kernel (default 1)
 PROGRAMS_PER_SM_ENV = "TANDEM_QUANT_PROGRAMS_PER_SM"  # split-K target; default 4 (CUDA cores) / 2 (tensor cores)
-X_TILE_ENV = "TANDEM_QUANT_X_TILE"  # 1: M = 1's activations loaded in the weight tile's layout (`SmallMConfig.x_tile`)
+X_TILE_ENV = "TANDEM_QUANT_X_TILE"  # 0: M = 1's activations loaded as a row, not in the weight tile's layout
+M1_BLOCK_N_ENV = "TANDEM_QUANT_M1_BLOCK_N"  # weight rows per program of the M = 1 GEMV (default M1_BLOCK_N)
+# The M = 1 GEMV's tile: 16 weight rows x 256 inputs, 4 warps (each thread one 16-byte load per row, 32 fp32
+# products). Swept on an H100 (`quant_gemv --sweep --kinds int8,fp8 --m 1`, benchmarks/results/h100-2026-12-07d/):
+# llama-3.1-8b's four projections per layer 92.0 us (int8) / 90.2 us (fp8) against 98.7 / 95.0 with the earlier 32
+# rows; 16 rows make twice the N tiles, so the small projections (qkv, o, down) fill the SMs with fewer K splits.
+M1_BLOCK_N = 16
+M1_BLOCK_K = 256
 
 
 # The largest M that takes the small-M path by default, per kind. fp8, as measured on an H200 (llama-3.1-8b's four
@@ -89,7 +96,8 @@ class SmallMSettings(NamedTuple):
     fma_max_m: int = 1
     fused_reduce: bool = True
     programs_per_sm: int | None = None  # None: the config's default per variant
-    x_tile: bool = False
+    x_tile: bool = True
+    m1_block_n: int = M1_BLOCK_N
 
 
 def _env_int(name: str, default: int, low: int, high: int) -> int:
@@ -111,14 +119,24 @@ def small_m_settings() -> SmallMSettings:
     the benchmarks flip them in one process). $TANDEM_QUANT_SMALL_M: the largest M that takes it (0: never;
     default SMALL_M_DEFAULT_MAX_M by kind); $TANDEM_QUANT_FMA_MAX_M: the largest M on the CUDA cores (0: always
     tensor cores, default 1); $TANDEM_QUANT_FUSED_REDUCE=0: a second kernel sums the split-K partials;
-    $TANDEM_QUANT_PROGRAMS_PER_SM: the split-K target. A CUDA graph keeps the path it was captured with."""
+    $TANDEM_QUANT_PROGRAMS_PER_SM: the split-K target; $TANDEM_QUANT_X_TILE=0: M = 1's activations loaded as a row;
+    $TANDEM_QUANT_M1_BLOCK_N: the M = 1 GEMV's weight rows per program (16, 32 or 64). A CUDA graph keeps the path
+    it was captured with."""
     per_sm = _env_int(PROGRAMS_PER_SM_ENV, 0, 0, 64)
     max_m = _env_int(SMALL_M_ENV, -1, 0, SMALL_M_LIMIT)
     return SmallMSettings(max_m=None if max_m < 0 else max_m,
                           fma_max_m=_env_int(FMA_MAX_M_ENV, 1, 0, SMALL_M_LIMIT),
                           fused_reduce=_env_int(FUSED_REDUCE_ENV, 1, 0, 1) == 1,
                           programs_per_sm=per_sm or None,
-                          x_tile=_env_int(X_TILE_ENV, 0, 0, 1) == 1)
+                          x_tile=_env_int(X_TILE_ENV, 1, 0, 1) == 1,
+                          m1_block_n=_m1_block_n())
+
+
+def _m1_block_n() -> int:
+    value = _env_int(M1_BLOCK_N_ENV, M1_BLOCK_N, 16, 64)
+    if value not in (16, 32, 64):
+        raise ValueError(f"${M1_BLOCK_N_ENV}={value} must be 16, 32 or 64")
+    return value
 
 
 def use_small_m(m: int, small_m: bool | None = None, kind: str = "fp8") -> bool:
@@ -148,7 +166,9 @@ class SmallMConfig(NamedTuple):
     # M = 1 on the CUDA cores: the activations loaded as a [BLOCK_N, BLOCK_K] tile whose rows are alike, in the
     # weight tile's layout, rather than as one [BLOCK_K] row that the compiler re-lays out through shared memory
     # every K step (four CTA barriers per step in the sm_90 PTX; none this way, at the price of L1-served repeat
-    # loads). The same sums bit for bit. Off until measured ($TANDEM_QUANT_X_TILE).
+    # loads). The same sums bit for bit. On by default (`small_m_settings`, $TANDEM_QUANT_X_TILE): an H100's 8B
+    # decode step at batch 1, off / on twice, int8 4.176 / 4.151 and 4.174 / 4.150 ms, fp8 4.037 / 4.017 and
+    # 4.042 / 4.013 (benchmarks/results/h100-2026-12-07d/).
     x_tile: bool = False
 
 
@@ -160,19 +180,20 @@ def small_m_k_per_split(k: int, block_k: int, split_k: int) -> int:
 
 def small_m_launch_config(m: int, n: int, k: int, group_size: int, num_sms: int, *,
                           fma_max_m: int = 1, programs_per_sm: int | None = None,
-                          fused_reduce: bool = True, int8_bits: bool = False, x_tile: bool = False) -> SmallMConfig:
+                          fused_reduce: bool = True, int8_bits: bool = False, x_tile: bool = False,
+                          m1_block_n: int = M1_BLOCK_N) -> SmallMConfig:
     """Launch settings of `_small_m_linear_kernel` for x [m, k] (1 <= m <= 16) and a weight [n, k] of int8 or
     fp8 (the same for both: one byte per weight). A pure function of its arguments.
 
-    - m <= fma_max_m: CUDA cores. BLOCK_M = next power of two >= m; the [BLOCK_M, BLOCK_N, BLOCK_K] product
-      tile is kept at 8,192 elements (64 fp32 per thread at 4 warps): 1 x 32 x 256 for m = 1 (each thread
-      one 16-byte load of 16 weights per row, 4 rows per step), 16 rows and a K tile of 8,192 / (16 * BLOCK_M)
-      above. 4 programs per SM by default.
+    - m <= fma_max_m: CUDA cores. m = 1: a 1 x m1_block_n x 256 tile (M1_BLOCK_N, swept; each thread one
+      16-byte load of 16 weights per row). Above: BLOCK_M = next power of two >= m, the [BLOCK_M, BLOCK_N,
+      BLOCK_K] product tile kept at 8,192 elements (64 fp32 per thread at 4 warps), 16 rows and a K tile of
+      8,192 / (16 * BLOCK_M). 4 programs per SM by default.
     - else tensor cores: 16 x 64 x 128 (BLOCK_M 16 = tl.dot's minimum; 64 weight rows = the MMA's M), 4 warps,
       4 stages, 2 programs per SM by default.
     - split-K: while cdiv(n, BLOCK_N) < programs_per_sm * num_sms, K is divided to reach that many programs,
-      each slice at least two K tiles, at most 32 slices. 8B shapes at M = 1, 132 SMs: qkv 6144 -> 192 x 3,
-      o 4096 -> 128 x 4, gate_up 28672 -> 896 x 1, down 14336 -> 128 x 5.
+      each slice at least two K tiles, at most 32 slices. 8B shapes at M = 1, 132 SMs: qkv 6144 -> 384 x 2,
+      o 4096 -> 256 x 3, gate_up 28672 -> 1792 x 1, down 4096 rows -> 256 x 3.
     Group-wise scales need each K tile inside one group: BLOCK_K is capped at the largest power of two
     dividing group_size. The defaults are reasoned, not swept: `python -m tandem.benchmarks.quant_gemv`
     times the alternatives.
@@ -187,8 +208,11 @@ def small_m_launch_config(m: int, n: int, k: int, group_size: int, num_sms: int,
         per_sm = programs_per_sm or 2
     else:
         block_m = triton.next_power_of_2(m)
-        block_n = 32 if block_m == 1 else 16
-        block_k = 8192 // (block_m * block_n)
+        if block_m == 1:
+            block_n, block_k = m1_block_n, M1_BLOCK_K
+        else:
+            block_n = 16
+            block_k = 8192 // (block_m * block_n)
         num_warps, num_stages = 4, 3
         per_sm = programs_per_sm or 4
     if group_size:
@@ -500,7 +524,7 @@ def _small_m_launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                                        fma_max_m=max(settings.fma_max_m, 1 if norm or silu_mul else 0),
                                        programs_per_sm=settings.programs_per_sm, fused_reduce=settings.fused_reduce,
                                        int8_bits=int8_bits_default(SMALL_M_INT8_BITS_DEFAULT),
-                                       x_tile=settings.x_tile)
+                                       x_tile=settings.x_tile, m1_block_n=settings.m1_block_n)
     cfg = config
     if cfg.block_m < m or cfg.split_k < 1 or (cfg.use_dot and cfg.block_m < 16) \
             or (group_size and group_size % cfg.block_k):

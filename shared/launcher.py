@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tandem.common.config import ConfigError
+from tandem.common.config import SHARED_GPU_PREFILL_BATCHED_TOKENS, ConfigError
 from tandem.common.paths import tandem_home
 from tandem.gateway.limits import DEFAULT_MAX_STREAM_INTERVAL
 from tandem.gateway.workers import default_num_workers
@@ -277,6 +277,8 @@ class Stack:
                 for peer in workers["prefill"]:  # the prefill workers it may pull from (planned first)
                     decode_flags += ["--prefill", peer]
                 memory = ["--gpu-memory-fraction", str(shares[role])] if shares else []
+                if role == "prefill" and shares and not o.max_num_batched_tokens:  # it shares the GPU with decode
+                    memory += ["--max-num-batched-tokens", str(SHARED_GPU_PREFILL_BATCHED_TOKENS)]  # (its pool too)
                 self.services.append(Service(
                     role, address, f"http://{o.host}:{http_port}",
                     base + [role, *common, *engine_flags, *memory, "--host", o.host, "--port", str(port),
@@ -308,7 +310,6 @@ class Stack:
     def memory_shares(self) -> tuple[float, float]:
         """Each prefill and decode worker's fraction of the GPU (`gpu_memory_shares`); an even split when the model's
         shape or the GPU's memory cannot be read here."""
-        from tandem.common.config import PREFILL_BATCHED_TOKENS_CUDA
         from tandem.models import load_model_config
 
         o = self.options
@@ -321,8 +322,8 @@ class Stack:
         kv_per_token = (2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
                         * (1 if o.kv_cache_dtype == "fp8" else 2))
         return gpu_memory_shares(model, gpu_total_bytes(), o.num_prefill, o.num_decode,
-                                 o.max_num_batched_tokens or PREFILL_BATCHED_TOKENS_CUDA, kv_per_token, o.quantization,
-                                 budget=o.gpu_memory_budget)
+                                 o.max_num_batched_tokens or SHARED_GPU_PREFILL_BATCHED_TOKENS, kv_per_token,
+                                 o.quantization, budget=o.gpu_memory_budget)
 
     def child_env(self, role: str) -> dict[str, str]:
         """The environment a service of this stack runs in: ours, with the stack's internal token (planned)."""

@@ -33,6 +33,7 @@ from tandem.kernels.quant_common import (
 )
 from tandem.kernels.quant_linear import QuantWeight, linear_function
 from tandem.kernels.quant_small_m import (
+    M1_BLOCK_N_ENV,
     SMALL_M_ENV,
     X_TILE_ENV,
     SmallMConfig,
@@ -62,12 +63,16 @@ def small_m_env(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def
 
 
 def test_small_m_launch_config_8b_shapes() -> None:
-    # M = 1 on the CUDA cores: 32-row tiles, K split towards 4 programs per SM (132 SMs), fused reduce.
+    # M = 1 on the CUDA cores: 16-row tiles, K split towards 4 programs per SM (132 SMs), fused reduce.
     splits = {name: small_m_launch_config(1, n, k, 0, 132).split_k for name, (n, k) in LLAMA_8B_PROJECTIONS.items()}
-    assert splits == {"qkv": 3, "o": 4, "gate_up": 1, "down": 5}
+    assert splits == {"qkv": 2, "o": 3, "gate_up": 1, "down": 3}
     cfg = small_m_launch_config(1, 4096, 4096, 0, 132)
-    assert cfg == SmallMConfig(use_dot=False, block_m=1, block_n=32, block_k=256, split_k=4, num_warps=4,
+    assert cfg == SmallMConfig(use_dot=False, block_m=1, block_n=16, block_k=256, split_k=3, num_warps=4,
                                num_stages=3, fused_reduce=True)
+    # The earlier 32-row tile, still selectable ($TANDEM_QUANT_M1_BLOCK_N=32): twice the rows, more K splits.
+    wide = {name: small_m_launch_config(1, n, k, 0, 132, m1_block_n=32).split_k
+            for name, (n, k) in LLAMA_8B_PROJECTIONS.items()}
+    assert wide == {"qkv": 3, "o": 4, "gate_up": 1, "down": 5}
     assert not small_m_launch_config(1, 28672, 4096, 0, 132).fused_reduce  # one split: nothing to reduce
     # M = 16 on the tensor cores: 16 x 64 x 128, ~2 programs per SM.
     cfg = small_m_launch_config(16, 4096, 4096, 0, 132)
@@ -78,7 +83,7 @@ def test_small_m_launch_config_8b_shapes() -> None:
     assert small_m_launch_config(4, 4096, 4096, 0, 132, fma_max_m=4).use_dot is False
     assert small_m_launch_config(1, 4096, 4096, 0, 132, fma_max_m=0).use_dot is True
     assert small_m_launch_config(1, 4096, 4096, 0, 132, fused_reduce=False).fused_reduce is False
-    assert small_m_launch_config(1, 4096, 4096, 0, 132, programs_per_sm=8).split_k == 8
+    assert small_m_launch_config(1, 4096, 4096, 0, 132, programs_per_sm=8).split_k == 4  # 5 wanted, whole K tiles: 4
     assert small_m_launch_config(1, 4096, 4096, 0, 132) == small_m_launch_config(1, 4096, 4096, 0, 132)
     for bad in (0, 17):
         with pytest.raises(ValueError, match=f"m={bad}"):
@@ -116,10 +121,13 @@ def test_small_m_settings_from_env(small_m_env) -> None:  # type: ignore[no-unty
     assert use_small_m(16, kind="int8") and use_small_m(16, kind="fp8") and not use_small_m(17)
     small_m_env(**{SMALL_M_ENV: "0"})
     assert not use_small_m(1) and use_small_m(1, small_m=True)
-    assert not small_m_settings().x_tile
+    assert small_m_settings().x_tile and small_m_settings().m1_block_n == 16  # the measured defaults
     small_m_env(**{SMALL_M_ENV: "4", "TANDEM_QUANT_FMA_MAX_M": "2", "TANDEM_QUANT_FUSED_REDUCE": "0",
-                   "TANDEM_QUANT_PROGRAMS_PER_SM": "6", X_TILE_ENV: "1"})
-    assert small_m_settings() == (4, 2, False, 6, True) and use_small_m(4) and not use_small_m(5)
+                   "TANDEM_QUANT_PROGRAMS_PER_SM": "6", X_TILE_ENV: "0", M1_BLOCK_N_ENV: "32"})
+    assert small_m_settings() == (4, 2, False, 6, False, 32) and use_small_m(4) and not use_small_m(5)
+    small_m_env(**{M1_BLOCK_N_ENV: "24"})
+    with pytest.raises(ValueError, match="TANDEM_QUANT_M1_BLOCK_N=24 must be 16, 32 or 64"):
+        small_m_settings()
     small_m_env(**{SMALL_M_ENV: "32"})
     with pytest.raises(ValueError, match="TANDEM_QUANT_SMALL_M=32"):
         small_m_settings()

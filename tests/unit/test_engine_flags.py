@@ -5,13 +5,14 @@ sharing one GPU get memory shares by role."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pytest import MonkeyPatch
 from typer.testing import CliRunner
 
 from tandem import launcher
 from tandem.cli import app
-from tandem.common.config import EngineConfig
+from tandem.common.config import SHARED_GPU_PREFILL_BATCHED_TOKENS, EngineConfig
 from tandem.launcher import Stack, StackOptions
 from tandem.models import load_model_config
 from tandem.mps import GpuSplit
@@ -102,3 +103,20 @@ def test_tandem_up_on_one_gpu_gives_each_role_its_memory_share(tmp_path: Path, m
     stack._plan()
     assert all(s.command[s.command.index("--gpu-memory-fraction") + 1] == "0.3"
                for s in stack.services if s.role != "gateway")
+
+
+def test_tandem_up_on_one_gpu_gives_prefill_the_served_step_budget(tmp_path: Path, monkeypatch: MonkeyPatch) -> None:
+    # A prefill worker beside decode on one GPU: its steps hold the GPU while decode waits, so it takes decode's
+    # 2,048-token budget rather than a lone prefill GPU's 8,192; a budget given on the command line is everyone's.
+    monkeypatch.setattr(launcher, "gpu_total_bytes", lambda: 143_771 << 20)
+
+    def budgets(**options: Any) -> dict[str, list[str]]:
+        stack = Stack(StackOptions(model="dummy:llama-3.1-8b", log_dir=tmp_path, **options))
+        stack._plan()
+        return {s.role: [s.command[i + 1] for i, flag in enumerate(s.command) if flag == "--max-num-batched-tokens"]
+                for s in stack.services if s.role != "gateway"}
+
+    assert budgets(device="cuda") == {"prefill": [str(SHARED_GPU_PREFILL_BATCHED_TOKENS)], "decode": []}
+    assert SHARED_GPU_PREFILL_BATCHED_TOKENS == 2048
+    assert budgets(device="cuda", max_num_batched_tokens=4096) == {"prefill": ["4096"], "decode": ["4096"]}
+    assert budgets(device="cpu") == {"prefill": [], "decode": []}  # the CPU's own default (256) for both
