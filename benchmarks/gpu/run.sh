@@ -89,6 +89,9 @@
 #   gemv18   #18: the M = 1 GEMV swept (split-K targets, CUDA-core tiles and warps), int8 and fp8, ~3 min
 #   next18   #18: what came after the 12-07 H100 call: PDL's graph-edge test and determinism check, the greedy
 #            sampler's kernel against torch, the silu_linear and x_tile A/Bs, the int8 batch-1 profile, ~8 min
+#   v18      #18: the M = 1 GEMV's new defaults (16-row tiles, x_tile) against the old (32 rows, rows loaded plainly):
+#            GPU kernel tests, the 8B batch-1 step A/B twice, PDL on with the new defaults, fp8's PDL logprobs with
+#            piecewise graphs (small-M on / off at M = 4), ~5 min
 #
 # DRY_RUN=1 runs every step here, on the CPU with tiny shapes and the project's venv (no wheels installed),
 # to check the script before spending device time.
@@ -1236,6 +1239,30 @@ suite_next18() {
     local E="$PY -m tandem.benchmarks.gpu_engine"
     [ "$SCALE" = 1 ] || E="env TRITON_INTERPRET=1 $E"
     step profile-int8 100 $E profile $DRY --model "$BIG" --batches 1 --quantization int8 --out "$OUT"
+}
+
+# After next18 and gemv18 (2026-12-07, fourth session): the new M = 1 defaults on hardware (kernel tests), the step
+# with them against the old tile, interleaved twice (int8, fp8, batch 1, PDL off), PDL on with them (bf16, int8, fp8),
+# and where fp8's PDL logprobs move: the piecewise-graph run of a 4-token prompt (the xfail), again with the small-M
+# path off (TANDEM_QUANT_SMALL_M=0: M = 4 takes the W8A8 GEMM). ~5 min.
+suite_v18() {
+    step v18-tests 150 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_quant_small_m.py
+    local Q="$TI $PY -m tandem.benchmarks.quant" i f
+    for i in 1 2; do
+        for f in new old; do
+            local env="TANDEM_QUANT_M1_BLOCK_N=16 TANDEM_QUANT_X_TILE=1"
+            [ "$f" = old ] && env="TANDEM_QUANT_M1_BLOCK_N=32 TANDEM_QUANT_X_TILE=0"
+            step "m1-$f-$i" 90 env TANDEM_PDL=0 $env $Q decode-latency $DRY --model "$BIG" \
+                --variants int8,fp8 --batches 1 --steps "$(n 50 3)" --out "$OUT/m1-$f-$i"
+        done
+    done
+    step m1-pdl1 120 env TANDEM_PDL=1 $Q decode-latency $DRY --model "$BIG" --variants bf16,int8,fp8 --batches 1 \
+        --steps "$(n 50 3)" --out "$OUT/m1-pdl1"
+    if [ "$SCALE" = 1 ]; then  # CUDA only
+        step pdl-det-piecewise 100 $PY -m tandem.benchmarks.pdl_determinism --quantization fp8 --prompt-lens 4
+        step pdl-det-gemm 100 env TANDEM_QUANT_SMALL_M=0 $PY -m tandem.benchmarks.pdl_determinism \
+            --quantization fp8 --prompt-lens 4
+    fi
 }
 
 # 2026-12-07, the least of pace14 for ~4 min of device time: the GPU tests, the 128-token row with the pacer at its new
