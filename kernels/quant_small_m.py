@@ -75,9 +75,11 @@ PROGRAMS_PER_SM_ENV = "TANDEM_QUANT_PROGRAMS_PER_SM"  # split-K target; default 
 X_TILE_ENV = "TANDEM_QUANT_X_TILE"  # 0: M = 1's activations loaded as a row, not in the weight tile's layout
 M1_BLOCK_N_ENV = "TANDEM_QUANT_M1_BLOCK_N"  # weight rows per program of the M = 1 GEMV (default M1_BLOCK_N)
 # The M = 1 GEMV's tile: 16 weight rows x 256 inputs, 4 warps (each thread one 16-byte load per row, 32 fp32
-# products). Swept on an H100 (`quant_gemv --sweep --kinds int8,fp8 --m 1`, benchmarks/results/h100-2026-12-07d/):
-# llama-3.1-8b's four projections per layer 92.0 us (int8) / 90.2 us (fp8) against 98.7 / 95.0 with the earlier 32
-# rows; 16 rows make twice the N tiles, so the small projections (qkv, o, down) fill the SMs with fewer K splits.
+# products). Swept on an H100 (`quant_gemv --sweep --kinds int8,fp8 --m 1`, benchmarks/results/h100-2026-12-07d/
+# 2-gemv18-serve14b): llama-3.1-8b's four projections per layer 92.0 us (int8) / 90.2 us (fp8) against 98.7 / 95.0
+# with the earlier 32 rows; 16 rows make twice the N tiles, so the small projections (qkv, o, down) fill the SMs with
+# fewer K splits. The 8B decode step at batch 1 with this tile and x_tile against 32 rows without it, twice
+# (3-v18): int8 3.876 / 3.887 against 4.104 / 4.106 ms, fp8 3.804 / 3.800 against 3.979 / 3.969.
 M1_BLOCK_N = 16
 M1_BLOCK_K = 256
 
@@ -166,9 +168,10 @@ class SmallMConfig(NamedTuple):
     # M = 1 on the CUDA cores: the activations loaded as a [BLOCK_N, BLOCK_K] tile whose rows are alike, in the
     # weight tile's layout, rather than as one [BLOCK_K] row that the compiler re-lays out through shared memory
     # every K step (four CTA barriers per step in the sm_90 PTX; none this way, at the price of L1-served repeat
-    # loads). The same sums bit for bit. On by default (`small_m_settings`, $TANDEM_QUANT_X_TILE): an H100's 8B
-    # decode step at batch 1, off / on twice, int8 4.176 / 4.151 and 4.174 / 4.150 ms, fp8 4.037 / 4.017 and
-    # 4.042 / 4.013 (benchmarks/results/h100-2026-12-07d/).
+    # loads). The same products; the same bits in the interpreter, not always on hardware (the compiler may reduce
+    # the tile in another order: last bits on an H100 for K = 40). On by default (`small_m_settings`,
+    # $TANDEM_QUANT_X_TILE): an H100's 8B decode step at batch 1, off / on twice, int8 4.176 / 4.151 and
+    # 4.174 / 4.150 ms, fp8 4.037 / 4.017 and 4.042 / 4.013 (benchmarks/results/h100-2026-12-07d/1-next18).
     x_tile: bool = False
 
 

@@ -176,17 +176,24 @@ def test_small_m_kernel_matches_dequantized_matmul(case: tuple[str, int, int, in
 
 @pytest.mark.usefixtures("needs_triton")
 @pytest.mark.parametrize("case", [c for c in SMALL_M_CASES if c[1] == 1], ids=lambda c: "-".join(map(str, c)))
-def test_x_tile_gives_the_same_sums(case: tuple[str, int, int, int, int | None], device: torch.device) -> None:
-    """M = 1's activations loaded as a tile in the weight's layout (`x_tile`): the same products, summed in the same
-    order, so the same bits; only the CUDA-core M = 1 variant takes it."""
+def test_x_tile_gives_the_same_products(case: tuple[str, int, int, int, int | None], device: torch.device) -> None:
+    """M = 1's activations loaded as a tile in the weight's layout (`x_tile`, the default): the same products, as
+    close to the exact sums as the row load's; in the interpreter the same bits. Not on hardware: the compiler may
+    reduce the tile in another order (on an H100, other last bits for K = 40, one masked tile; the same bits for
+    K = 192 in groups of 64). Only the CUDA-core M = 1 variant takes it."""
     kind, m, n, k, group_size = case
-    x, qw, bias, _ = _small_m_case(kind, m, n, k, group_size, True, device)
+    x, qw, bias, exact = _small_m_case(kind, m, n, k, group_size, True, device)
     cfg = small_m_launch_config(m, n, k, group_size or 0, 4, programs_per_sm=8)
     tiled = small_m_launch_config(m, n, k, group_size or 0, 4, programs_per_sm=8, x_tile=True)
     assert tiled.x_tile and tiled._replace(x_tile=False) == cfg
     assert not small_m_launch_config(4, n, k, group_size or 0, 4, x_tile=True).x_tile  # tensor cores: no
     out = small_m_linear_triton(x, qw.qweight, qw.scales, bias, config=cfg)
-    assert torch.equal(small_m_linear_triton(x, qw.qweight, qw.scales, bias, config=tiled), out)
+    got = small_m_linear_triton(x, qw.qweight, qw.scales, bias, config=tiled)
+    torch.testing.assert_close(got.double(), exact, atol=1e-4, rtol=1e-4)
+    if device.type == "cuda":
+        torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
+    else:
+        assert torch.equal(got, out)
 
 
 @pytest.mark.usefixtures("needs_triton")
