@@ -89,6 +89,8 @@
 #   gemv18   #18: the M = 1 GEMV swept (split-K targets, CUDA-core tiles and warps), int8 and fp8, ~3 min
 #   next18   #18: what came after the 12-07 H100 call: PDL's graph-edge test and determinism check, the greedy
 #            sampler's kernel against torch, the silu_linear and x_tile A/Bs, the int8 batch-1 profile, ~8 min
+#   serve14c #14: disaggregated serving on one GPU with tandem up's new prefill budget (2,048 on a shared GPU), at
+#            1,024, and partitioned by MPS (70% of the SMs to prefill), ~8 min
 #   v18      #18: the M = 1 GEMV's new defaults (16-row tiles, x_tile) against the old (32 rows, rows loaded plainly):
 #            GPU kernel tests, the 8B batch-1 step A/B twice, PDL on with the new defaults, fp8's PDL logprobs with
 #            piecewise graphs (small-M on / off at M = 4), ~5 min
@@ -1157,6 +1159,20 @@ suite_serve14b() {
         --max-num-seqs "$(n 128 8)" --rates "$(n "${SERVE14_RATES:-2,8,16,32,48}" 4)" --num-requests "$(n 128 4)" \
         --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" \
         --stack-args "--max-num-batched-tokens $(n 2048 64)" --out "$OUT/serve-disagg-mbt2048.json"
+}
+
+# After serve14b (2026-12-07, fourth session): #14's serve benchmark, disaggregated on one GPU, three ways: time-shared
+# with `tandem up`'s default prefill budget on a shared GPU (now 2,048: serve14b's setting, again), time-shared at
+# 1,024 (one prompt per prefill step), and MPS-partitioned (prefill 70% of the SMs, decode all) at the default. ~8 min.
+suite_serve14c() {
+    local name mode budget
+    for name in disagg:disagg: disagg-mbt1024:disagg:1024 split70:split:70:100:; do
+        mode=${name#*:}; budget=${mode##*:}; mode=${mode%:*}; name=${name%%:*}
+        step "serve-$name" 190 $PY -m tandem.benchmarks.serve_modes --mode "$mode" --model "$BIG" --device "$DEVICE" \
+            --max-num-seqs "$(n 128 8)" --rates "$(n "${SERVE14_RATES:-2,8,16,32,48}" 4)" \
+            --num-requests "$(n 128 4)" --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" \
+            ${budget:+--stack-args "--max-num-batched-tokens $(n "$budget" 64)"} --out "$OUT/serve-$name.json"
+    done
 }
 
 # 2026-12-07, third session (#14, #15): the serve benchmark both ways on this code, then where a pipelined burst of the
