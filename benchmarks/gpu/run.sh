@@ -1166,7 +1166,7 @@ suite_serve14b() {
 # 1,024 (one prompt per prefill step), and MPS-partitioned (prefill 70% of the SMs, decode all) at the default. ~8 min.
 suite_serve14c() {
     local name mode budget
-    for name in disagg:disagg: disagg-mbt1024:disagg:1024 split70:split:70:100:; do
+    for name in ${SERVE14C:-disagg:disagg: disagg-mbt1024:disagg:1024 split70:split:70:100:}; do
         mode=${name#*:}; budget=${mode##*:}; mode=${mode%:*}; name=${name%%:*}
         step "serve-$name" 190 $PY -m tandem.benchmarks.serve_modes --mode "$mode" --model "$BIG" --device "$DEVICE" \
             --max-num-seqs "$(n 128 8)" --rates "$(n "${SERVE14_RATES:-2,8,16,32,48}" 4)" \
