@@ -317,6 +317,9 @@ def main() -> None:
                              "default: the gateway's)")
     parser.add_argument("--prefill-workers", type=int, default=1,
                         help="prefill workers of the stack (`tandem up --prefill`); 0: colocated, decode prefills")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the stack's workers' step budget (`tandem up --max-num-batched-tokens`); default tandem "
+                             "up's (on one GPU 2,048 for both roles)")
     parser.add_argument("--local-prefill-max-tokens", type=int, default=0,
                         help="the gateway's --local-prefill-max-tokens (prompts this short are prefilled on decode)")
     parser.add_argument("--client-processes", type=int, default=default_client_processes(),
@@ -346,8 +349,8 @@ def main() -> None:
     options = StackOptions(model=args.model, device=args.device, gateway_port=port,
                            gateway_http_port=free_port("127.0.0.1"), max_model_len=args.max_model_len,
                            max_num_seqs=args.max_num_seqs, threads=args.threads,
-                           gateway_workers=gateway_workers, stream_interval=args.stream_interval,
-                           max_stream_interval=args.max_stream_interval,
+                           max_num_batched_tokens=args.max_num_batched_tokens, gateway_workers=gateway_workers,
+                           stream_interval=args.stream_interval, max_stream_interval=args.max_stream_interval,
                            local_prefill_max_tokens=args.local_prefill_max_tokens, num_prefill=args.prefill_workers)
     engine_fraction = 0.85
     if args.device.startswith("cuda"):

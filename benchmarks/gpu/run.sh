@@ -1166,6 +1166,10 @@ suite_serve14b() {
 # 1,024 (one prompt per prefill step), and MPS-partitioned (prefill 70% of the SMs, decode all) at the default. ~8 min.
 suite_serve14c() {
     local name mode budget
+    if [ -n "${STACK14C:-}" ]; then  # the stack's 1B 128-token row (#15) at the new prefill budget and the old
+        stack_row 1b-128-mbt2048 "$SMALL" 256 128 4
+        stack_row 1b-128-mbt8192 "$SMALL" 256 128 4 --max-num-batched-tokens "$(n 8192 256)"
+    fi
     for name in ${SERVE14C:-disagg:disagg: disagg-mbt1024:disagg:1024 split70:split:70:100:}; do
         mode=${name#*:}; budget=${mode##*:}; mode=${mode%:*}; name=${name%%:*}
         step "serve-$name" 190 $PY -m tandem.benchmarks.serve_modes --mode "$mode" --model "$BIG" --device "$DEVICE" \
