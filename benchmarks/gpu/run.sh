@@ -1161,9 +1161,10 @@ suite_serve14b() {
         --stack-args "--max-num-batched-tokens $(n 2048 64)" --out "$OUT/serve-disagg-mbt2048.json"
 }
 
-# After serve14b (2026-12-07, fourth session): #14's serve benchmark, disaggregated on one GPU, three ways: time-shared
-# with `tandem up`'s default prefill budget on a shared GPU (now 2,048: serve14b's setting, again), time-shared at
-# 1,024 (one prompt per prefill step), and MPS-partitioned (prefill 70% of the SMs, decode all) at the default. ~8 min.
+# After serve14b (2026-12-07, fourth session): #14's serve benchmark, disaggregated on one GPU, three ways: the default
+# sharing (MPS, neither role capped) with `tandem up`'s default prefill budget on a shared GPU (now 2,048: serve14b's
+# setting, again), the same at 1,024 (one prompt per prefill step), and MPS-partitioned (prefill 70% of the SMs,
+# decode all) at the default budget. ~8 min.
 suite_serve14c() {
     local name mode budget
     if [ -n "${STACK14C:-}" ]; then  # the stack's 1B 128-token row (#15) at the new prefill budget and the old

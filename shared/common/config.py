@@ -154,12 +154,12 @@ DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 256}
 # A prefill worker's on a GPU: no decode tokens share its steps, so its budget only bounds activation memory and
 # batches concurrent prompts (a 32k prompt still runs in 4 chunks).
 PREFILL_BATCHED_TOKENS_CUDA = 8192
-# ... but one that time-shares its GPU with a decode worker (`tandem up` puts every worker on one device) takes the
-# served default: each of its steps holds the GPU while decode waits. On an H100 (llama-3.1-8b, 1,024/256 tokens,
-# 128 requests at 2/8/16/32/48 req/s; benchmarks/results/h100-2026-12-07c/2-serve14 against h100-2026-12-07d/
-# 2-gemv18-serve14b), 8,192 -> 2,048 took decode's ITL p99 from 19.0/29.7/42.1/76.2/115.9 ms to
-# 22.1/28.1/35.3/49.2/47.5 and the goodput at 48 req/s from 2.87 to 3.20 (0.79 -> 0.88 of colocated's), at the
-# price of 32 req/s's (13.47 -> 10.55, colocated's 10.51).
+# ... but one that shares its GPU with a decode worker (`tandem up` puts every worker on one device; through MPS by
+# default) takes the served default: while each of its steps runs, its kernels take SMs from decode's. On an H100
+# (llama-3.1-8b, 1,024/256 tokens, 128 requests at 2/8/16/32/48 req/s; benchmarks/results/h100-2026-12-07c/
+# 2-serve14 against h100-2026-12-07d/2-gemv18-serve14b), 8,192 -> 2,048 took decode's ITL p99 from
+# 19.0/29.7/42.1/76.2/115.9 ms to 22.1/28.1/35.3/49.2/47.5 and the goodput at 48 req/s from 2.87 to 3.20 (0.79 ->
+# 0.88 of colocated's), at the price of 32 req/s's (13.47 -> 10.55, colocated's 10.51).
 SHARED_GPU_PREFILL_BATCHED_TOKENS = DEFAULT_BATCHED_TOKENS["cuda"]
 # The offline `LLM`'s on a GPU, where nobody waits between tokens: throughput wants big steps (H200, llama-3.1-8b,
 # 256 x (1,024, 128): 2,494 tok/s at 512, 3,608 at 16,384, 3,659 with whole prompts). Served workers keep the

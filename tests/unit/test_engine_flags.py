@@ -106,8 +106,9 @@ def test_tandem_up_on_one_gpu_gives_each_role_its_memory_share(tmp_path: Path, m
 
 
 def test_tandem_up_on_one_gpu_gives_prefill_the_served_step_budget(tmp_path: Path, monkeypatch: MonkeyPatch) -> None:
-    # A prefill worker beside decode on one GPU: its steps hold the GPU while decode waits, so it takes decode's
-    # 2,048-token budget rather than a lone prefill GPU's 8,192; a budget given on the command line is everyone's.
+    # A prefill worker beside decode on one GPU: its steps take SMs from decode's while they run, so it takes
+    # decode's 2,048-token budget rather than a lone prefill GPU's 8,192; a budget given on the command line is
+    # everyone's.
     monkeypatch.setattr(launcher, "gpu_total_bytes", lambda: 143_771 << 20)
 
     def budgets(**options: Any) -> dict[str, list[str]]:
