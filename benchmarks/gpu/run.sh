@@ -91,6 +91,8 @@
 #            sampler's kernel against torch, the silu_linear and x_tile A/Bs, the int8 batch-1 profile, ~8 min
 #   serve14c #14: disaggregated serving on one GPU with tandem up's new prefill budget (2,048 on a shared GPU), at
 #            1,024, and partitioned by MPS (70% of the SMs to prefill), ~8 min
+#   serve14d #14/#15: two prefill workers each capped at 70% (MPS) at the 2,048 budget, the serve benchmark; the 1B
+#            128-token stack row at 2,048 and 8,192 interleaved twice (4-serve14c's pair was order-confounded), ~9 min
 #   v18      #18: the M = 1 GEMV's new defaults (16-row tiles, x_tile) against the old (32 rows, rows loaded plainly):
 #            GPU kernel tests, the 8B batch-1 step A/B twice, PDL on with the new defaults, fp8's PDL logprobs with
 #            piecewise graphs (small-M on / off at M = 4), ~5 min
@@ -1177,6 +1179,22 @@ suite_serve14c() {
             --max-num-seqs "$(n 128 8)" --rates "$(n "${SERVE14_RATES:-2,8,16,32,48}" 4)" \
             --num-requests "$(n 128 4)" --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" \
             ${budget:+--stack-args "--max-num-batched-tokens $(n "$budget" 64)"} --out "$OUT/serve-$name.json"
+    done
+}
+
+# Next (#14, #15), after serve14c: one capped prefill worker cannot keep up (goodput 0.09x colocated's at 32 req/s)
+# and the uncapped default misses the ITL target; two capped workers met it at 8-16 req/s on an H200 with 8,192-token
+# steps (12-03), so the serve benchmark with two at 2,048. Then the 1B 128-token stack row at the two prefill budgets,
+# interleaved twice. ~9 min.
+suite_serve14d() {
+    step serve-split70x2 190 $PY -m tandem.benchmarks.serve_modes --mode split:70:100 --prefill-workers 2 \
+        --model "$BIG" --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n "${SERVE14_RATES:-2,8,16,32,48}" 4)" \
+        --num-requests "$(n 128 4)" --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" \
+        --out "$OUT/serve-split70x2.json"
+    local i
+    for i in 1 2; do
+        stack_row "1b-128-mbt2048-$i" "$SMALL" 256 128 4
+        stack_row "1b-128-mbt8192-$i" "$SMALL" 256 128 4 --max-num-batched-tokens "$(n 8192 256)"
     done
 }
 
