@@ -77,9 +77,9 @@ def make_impls(kind: str, m: int, n: int, k: int, num_sms: int, sweep: bool) -> 
         for variant, fma_max_m in (("fma", 16), ("dot", 0)):
             for per_sm in (1, 2, 4, 8):
                 impls[f"new-{variant}-pps{per_sm}"] = small(fma_max_m=fma_max_m, programs_per_sm=per_sm)
-        if m == 1:  # the CUDA-core GEMV's tile and warps (default 32 x 256, 4 warps), integer-op conversion for int8
-            for block_n, block_k, warps in ((16, 256, 4), (32, 128, 4), (32, 512, 4), (64, 256, 8), (32, 256, 8),
-                                            (64, 128, 4)):
+        if m == 1:  # the CUDA-core GEMV's tile and warps against the default 16 x 256, 4 warps (32 x 256 before)
+            for block_n, block_k, warps in ((32, 256, 4), (32, 128, 4), (32, 512, 4), (64, 256, 8), (32, 256, 8),
+                                            (64, 128, 4), (16, 512, 4), (16, 128, 4)):
                 cfg = _fma_tile(n, k, num_sms, block_n, block_k, warps, kind == "int8")
                 impls[f"new-bits-n{block_n}-k{block_k}-w{warps}"] = \
                     lambda x, q, s, w, cfg=cfg: linear(x, q, s, config=cfg, workspace=workspace)
