@@ -276,12 +276,14 @@ class Stack:
                     decode_flags += ["--speculative-config", o.speculative_config]
                 for peer in workers["prefill"]:  # the prefill workers it may pull from (planned first)
                     decode_flags += ["--prefill", peer]
-                memory = ["--gpu-memory-fraction", str(shares[role])] if shares else []
-                if role == "prefill" and shares and not o.max_num_batched_tokens:  # it shares the GPU with decode
-                    memory += ["--max-num-batched-tokens", str(SHARED_GPU_PREFILL_BATCHED_TOKENS)]  # (its pool too)
+                # On one GPU each role sizes its pool from its share, and a prefill worker takes decode's step budget
+                # unless one was given (`memory_shares` sized its pool for that budget).
+                on_one_gpu = ["--gpu-memory-fraction", str(shares[role])] if shares else []
+                if role == "prefill" and shares and not o.max_num_batched_tokens:
+                    on_one_gpu += ["--max-num-batched-tokens", str(SHARED_GPU_PREFILL_BATCHED_TOKENS)]
                 self.services.append(Service(
                     role, address, f"http://{o.host}:{http_port}",
-                    base + [role, *common, *engine_flags, *memory, "--host", o.host, "--port", str(port),
+                    base + [role, *common, *engine_flags, *on_one_gpu, "--host", o.host, "--port", str(port),
                             "--http-port", str(http_port)] + (decode_flags if role == "decode" else []),
                     log_dir / f"{role}-{i}.log"))
         # Port 0 means "pick a free one": picked here, so that the launcher knows where the gateway listens.
