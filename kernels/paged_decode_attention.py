@@ -14,6 +14,10 @@ step at a long context streams.
 
 from __future__ import annotations
 
+import functools
+import os
+from typing import NamedTuple
+
 import torch
 
 from tandem.kernels._triton import (
@@ -83,7 +87,7 @@ def _paged_decode_attention_kernel(
     num_queries_per_kv,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    COMBINE_IN_KERNEL: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    COMBINE_IN_KERNEL: tl.constexpr, BLOCK_SPLITS: tl.constexpr, F16_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
@@ -110,6 +114,8 @@ def _paged_decode_attention_kernel(
     heads = kv_head * num_queries_per_kv + offs_g
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if F16_DOT:  # fp8 tiles then convert to fp16 in one instruction (sm_89+), and both dots run in fp16
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -250,20 +256,54 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return check_kv_cache("paged_decode_attention", k_cache, v_cache, k_scale, v_scale, None, "q")
 
 
-def _launch_config(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N tokens per KV tile, num_warps, num_stages) of the split kernel.
+class DecodeAttentionConfig(NamedTuple):
+    """Launch settings of the split kernel: KV tokens per tile, warps, pipeline stages, and whether an fp8 cache's
+    tiles are multiplied in fp16 (`f16_dot`; only with a bf16 / fp16 q, else ignored)."""
 
-    Swept on an H200 (Triton 3.6, bf16, block_size 16, Llama GQA 32/8): 4 warps, 2 stages; 64-token
-    tiles at D 128 (98% of copy bandwidth at batch 256), 128-token tiles at D 64 (small tiles left
-    D 64 latency-bound at batch 64).
-    An fp8 cache keeps the same tiles (not yet measured on GPU): each is half the bytes, so twice the
-    tokens per tile would keep the bytes in flight per stage; worth a sweep at batch 64-256, where the
-    kernel streams. Doubling is not the default because it also halves the useful splits at batch 1
-    (slices are whole tiles).
+    block_n: int
+    num_warps: int
+    num_stages: int
+    f16_dot: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> DecodeAttentionConfig:
+        """"BLOCK_N,WARPS,STAGES[,f16]" (the form of $TANDEM_FP8_KV_DECODE_TILE)."""
+        parts = [p.strip() for p in text.split(",")]
+        try:
+            if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in ("f16", "bf16")):
+                raise ValueError
+            block_n, num_warps, num_stages = (int(p) for p in parts[:3])
+        except ValueError:
+            raise ValueError(f"${FP8_TILE_ENV}={text!r}: expected BLOCK_N,WARPS,STAGES[,f16|bf16]") from None
+        if block_n not in (16, 32, 64, 128, 256) or num_warps not in (1, 2, 4, 8) or not 1 <= num_stages <= 6:
+            raise ValueError(f"${FP8_TILE_ENV}={text!r}: BLOCK_N in 16..256 (a power of 2), WARPS 1/2/4/8, STAGES 1..6")
+        return cls(block_n, num_warps, num_stages, len(parts) == 4 and parts[3] == "f16")
+
+
+FP8_TILE_ENV = "TANDEM_FP8_KV_DECODE_TILE"  # an fp8 cache's tile, "BLOCK_N,WARPS,STAGES[,f16]", for A/B runs
+
+
+@functools.cache
+def _fp8_tile_override() -> DecodeAttentionConfig | None:
+    text = os.environ.get(FP8_TILE_ENV, "").strip()
+    return DecodeAttentionConfig.parse(text) if text else None
+
+
+def decode_attention_config(head_dim: int, is_fp8: bool) -> DecodeAttentionConfig:
+    """The split kernel's launch settings for a head size and cache dtype.
+
+    bf16, swept on an H200 (Triton 3.6, block_size 16, Llama GQA 32/8): 4 warps, 2 stages; 64-token tiles at D 128
+    (98% of copy bandwidth at batch 256), 128-token tiles at D 64 (small tiles left D 64 latency-bound at batch 64).
+    An fp8 cache keeps the same tiles unless $TANDEM_FP8_KV_DECODE_TILE says otherwise (read once per process):
+    each tile is half the bytes, so twice the tokens per tile would keep the bytes in flight per stage, and fp16
+    dots convert e4m3 in one instruction where bf16 takes several; `benchmarks/decode_attention_sweep.py` measures
+    the candidates. (Doubling BLOCK_N also halves the useful splits at batch 1: slices are whole tiles.)
     """
+    if is_fp8 and (override := _fp8_tile_override()) is not None:
+        return override
     if head_dim <= 64:
-        return 128, 4, 2
-    return (64 if head_dim <= 128 else 32), 4, 2
+        return DecodeAttentionConfig(128, 4, 2)
+    return DecodeAttentionConfig(64 if head_dim <= 128 else 32, 4, 2)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -276,7 +316,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   num_splits: int | None = None, k_scale: torch.Tensor | None = None,
                                   v_scale: torch.Tensor | None = None, combine_in_kernel: bool = False,
-                                  out: torch.Tensor | None = None) -> torch.Tensor:
+                                  out: torch.Tensor | None = None,
+                                  config: DecodeAttentionConfig | None = None) -> torch.Tensor:
     """q [S, Hq, D], k_cache, v_cache [N, B, Hkv, D], block_tables [S, max_blocks] int32,
     context_lens [S] int32 -> [S, Hq, D] (into `out` where given: a view of q's shape and dtype, unit last stride).
 
@@ -289,6 +330,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     the same arithmetic as the combine kernel); not yet measured nor run on GPU, so off unless asked for (the
     `attn_combine` fusion of `tandem.kernels.ops`). Under a CUDA-graph capture that would need more arrival
     counters than exist, the two launches.
+    config: the launch settings (default `decode_attention_config`); its f16_dot applies to an fp8 cache read with a
+    bf16 / fp16 q only (fp16 holds every e4m3 value, and a bf16 q's values within fp16's range, exactly).
     """
     check_launchable("paged_decode_attention", q, k_cache, v_cache, block_tables, context_lens)
     check_last_dim_contiguous("paged_decode_attention", q=q, k_cache=k_cache, v_cache=v_cache,
@@ -310,7 +353,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if block_d > 256 or block_g > 64:
         raise ValueError(f"paged_decode_attention: head_dim {head_dim} (<= 256) or GQA group "
                          f"{num_queries_per_kv} (<= 64) unsupported")
-    block_n, num_warps, num_stages = _launch_config(head_dim)
+    cfg = config if config is not None else decode_attention_config(head_dim, is_fp8)
+    f16_dot = cfg.f16_dot and is_fp8 and q.dtype in (torch.bfloat16, torch.float16)
     is_single_split = num_splits == 1
     if is_single_split:
         partial, lse = out, out  # the kernel writes the final output directly; lse is unused
@@ -337,11 +381,11 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         block_tables.stride(0),
         *partial_strides, *lse_strides, out.stride(0), out.stride(1),
         num_queries_per_kv,
-        HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_G=block_g, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         IS_SINGLE_SPLIT=is_single_split, IS_FP8=is_fp8, DOT_PRECISION=dot_precision(q.dtype),
         COMBINE_IN_KERNEL=counters is not None,
-        BLOCK_SPLITS=1 if counters is None else triton.next_power_of_2(num_splits),
-        USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SPLITS=1 if counters is None else triton.next_power_of_2(num_splits), F16_DOT=f16_dot,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not is_single_split and counters is None:
         _combine_splits_kernel[(num_seqs, num_q_heads)](

@@ -86,6 +86,8 @@
 #   pdl      #18: PDL on / off and the norm_linear fusion (decode step table, tests, profiles), ~9 min
 #   serve14  #14: the serve benchmark, colocated and disaggregated, 2-48 req/s, ~5 min
 #   serve14b #14: serve14's disaggregated run with every worker's step budget at 2,048 tokens, ~3 min
+#   kv18     #18: the fp8 KV cache's decode attention tiles swept (fp16 dots), the best against the default through
+#            the 8B step and offline, the 1,000/1,000 run with it, ~9 min
 #   gemv18   #18: the M = 1 GEMV swept (split-K targets, CUDA-core tiles and warps), int8 and fp8, ~3 min
 #   next18   #18: what came after the 12-07 H100 call: PDL's graph-edge test and determinism check, the greedy
 #            sampler's kernel against torch, the silu_linear and x_tile A/Bs, the int8 batch-1 profile, ~8 min
@@ -1302,6 +1304,33 @@ suite_v18() {
         step pdl-det-gemm 100 env TANDEM_QUANT_SMALL_M=0 $PY -m tandem.benchmarks.pdl_determinism \
             --quantization fp8 --prompt-lens 4
     fi
+}
+
+# 2026-12-07, sixth session (#18): an fp8 KV cache's decode attention streamed at ~half a bf16 cache's bandwidth (batch
+# 64-256). Its kernel tests (fp16 dots), the tile sweep, then the best fp8 tile at batch 256 (from the sweep) against
+# the default through the 8B decode step and offline, and the 1,000/1,000 run with it. ~9 min.
+suite_kv18() {
+    step kv18-tests 150 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_paged_decode_attention.py
+    step attn-sweep 240 $PY -m tandem.benchmarks.decode_attention_sweep $DRY --out "$OUT/attn-sweep.json"
+    local best
+    best=$($PY -c "import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))['results'] if r['kv_dtype'] == 'fp8']
+row = max(rows, key=lambda r: (r['batch'], -r['context']))
+t = min(row['tiles'], key=lambda t: t['us'])['tile']
+print(f\"{t['block_n']},{t['num_warps']},{t['num_stages']}\" + (',f16' if t['f16_dot'] else ''))" "$OUT/attn-sweep.json")
+    echo "best fp8 tile at the largest batch: ${best:-none}" | tee -a "$LOG"
+    [ -n "$best" ] || return
+    local Q="$TI $PY -m tandem.benchmarks.quant"
+    step kv18-step-default 150 $Q decode-latency $DRY --model "$BIG" --variants fp8,fp8+fp8kv \
+        --steps "$(n 50 3)" --out "$OUT/step-default"
+    step kv18-step-best 150 env TANDEM_FP8_KV_DECODE_TILE="$best" $Q decode-latency $DRY --model "$BIG" \
+        --variants fp8,fp8+fp8kv --steps "$(n 50 3)" --out "$OUT/step-best"
+    step kv18-offline-best 200 env TANDEM_FP8_KV_DECODE_TILE="$best" $Q offline $DRY --model "$BIG" \
+        --variants bf16,fp8,fp8+fp8kv --out "$OUT/offline-best"
+    step kv18-offline-default 100 $Q offline $DRY --model "$BIG" --variants fp8+fp8kv --out "$OUT/offline-default"
+    step kv18-1000-best 240 env TANDEM_FP8_KV_DECODE_TILE="$best" $Q offline $DRY --model "$BIG" \
+        --variants bf16,fp8+fp8kv --num-requests "$(n 512 8)" --prompt-len 1000 --max-tokens 1000 \
+        --out "$OUT/offline-1000-best"
 }
 
 # 2026-12-07, the least of pace14 for ~4 min of device time: the GPU tests, the 128-token row with the pacer at its new

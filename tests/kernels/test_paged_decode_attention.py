@@ -14,6 +14,7 @@ from tandem.kernels.fp8_kv import dequantize_kv, kv_scales_from_absmax, quantize
 from tandem.kernels.paged_decode_attention import (
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
+    DecodeAttentionConfig,
     choose_num_splits,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
@@ -163,6 +164,32 @@ def test_kernel_fp8_matches_ref(dtype: torch.dtype, device: torch.device, tol: d
     for num_splits in (1, 3):  # the scales in the one-pass epilogue, and through the combine
         out = paged_decode_attention_triton(*args, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
         torch.testing.assert_close(out, expected, **tol, msg=lambda m, n=num_splits: f"num_splits={n}: {m}")
+
+
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize("config", [DecodeAttentionConfig(64, 4, 2, True), DecodeAttentionConfig(128, 8, 3, True),
+                                    DecodeAttentionConfig(32, 4, 2, True)], ids=str)
+def test_kernel_fp8_f16_dot(config: DecodeAttentionConfig, device: torch.device) -> None:
+    """An fp8 cache read by a bf16 q with fp16 dots (and other tiles): the reference's output within bf16's
+    rounding of it, through one pass and through splits; contexts past one tile and ragged ones."""
+    heads = (8, 2, 64)
+    q, k_cache, v_cache, block_tables, lens = _paged([1, 17, 40, 0, 23, 130], 16, *heads, torch.float32, device)
+    k8, v8, k_scale, v_scale = _fp8(k_cache, v_cache)
+    args = (q.to(torch.bfloat16), k8, v8, block_tables, lens, heads[2] ** -0.5)
+    expected = paged_decode_attention_ref(*args, k_scale=k_scale, v_scale=v_scale)
+    for num_splits in (1, 3):
+        out = paged_decode_attention_triton(*args, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
+                                            config=config)
+        torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2,
+                                   msg=lambda m, n=num_splits: f"num_splits={n}: {m}")
+
+
+def test_fp8_tile_setting_parsed() -> None:
+    assert DecodeAttentionConfig.parse("128, 8, 3, f16") == DecodeAttentionConfig(128, 8, 3, True)
+    assert DecodeAttentionConfig.parse("64,4,2") == DecodeAttentionConfig(64, 4, 2, False)
+    for bad in ("64,4", "64,4,2,fp32", "48,4,2", "64,3,2", "64,4,0", "a,b,c"):
+        with pytest.raises(ValueError, match="TANDEM_FP8_KV_DECODE_TILE"):
+            DecodeAttentionConfig.parse(bad)
 
 
 @pytest.mark.parametrize("op", ["ref", "triton"])
