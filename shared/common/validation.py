@@ -21,8 +21,10 @@ def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int, max_model_
     if num_prompt >= max_model_len:
         raise InvalidRequestError("prompt", f"is {num_prompt} tokens; the context length is {max_model_len} "
                                             "(prompt plus at least one output token must fit)")
-    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    # min / max run in C (a generator over every id cost the gateway ~30 us per 256-token prompt); only a prompt
+    # that fails is searched for its first bad id.
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+        bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
         raise InvalidRequestError("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if max_tokens is not None and num_prompt + max_tokens > max_model_len:
         raise InvalidRequestError("max_tokens", f"{max_tokens} plus the {num_prompt}-token prompt exceeds the "
