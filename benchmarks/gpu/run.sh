@@ -86,6 +86,8 @@
 #   pdl      #18: PDL on / off and the norm_linear fusion (decode step table, tests, profiles), ~9 min
 #   serve14  #14: the serve benchmark, colocated and disaggregated, 2-48 req/s, ~5 min
 #   serve14b #14: serve14's disaggregated run with every worker's step budget at 2,048 tokens, ~3 min
+#   serve14e #14: the prefill worker's forward vs local, two prefill workers capped at 70% (2-48 req/s) and at 85%
+#            (2-16 req/s) at the 2,048 budget, ~7 min
 #   kv18     #18: the fp8 KV cache's decode attention tiles swept (fp16 dots), the best against the default through
 #            the 8B step and offline, the 1,000/1,000 run with it, ~9 min
 #   gemv18   #18: the M = 1 GEMV swept (split-K targets, CUDA-core tiles and warps), int8 and fp8, ~3 min
@@ -1197,6 +1199,23 @@ suite_serve14d() {
     for i in 1 2; do
         stack_row "1b-128-mbt2048-$i" "$SMALL" 256 128 4
         stack_row "1b-128-mbt8192-$i" "$SMALL" 256 128 4 --max-num-batched-tokens "$(n 8192 256)"
+    done
+}
+
+# 2026-12-07, sixth session (#14): the prefill worker's forward against local (not measured since the 2,048 budget
+# and prefill pipelining), two prefill workers capped at 70% at the 2,048 budget (serve14d's serve run), and two at 85%
+# at 2-16 req/s (a single prompt at 70% missed the TTFT bound at 2 req/s). ~7 min.
+suite_serve14e() {
+    step prefill-forward 100 $PY -m tandem.benchmarks.prefill_forward --model "$BIG" --device "$DEVICE" \
+        --prompt-len "$(n 1024 48)" --batches 1,4 --repeat "$(n 6 2)" --out "$OUT/prefill-forward.json"
+    local p rates
+    for p in 70 85; do
+        rates=${SERVE14_RATES:-2,8,16,32,48}
+        [ "$p" = 85 ] && rates=2,8,16
+        step "serve-split${p}x2" 200 $PY -m tandem.benchmarks.serve_modes --mode "split:$p:100" --prefill-workers 2 \
+            --model "$BIG" --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n "$rates" 4)" \
+            --num-requests "$(n 128 4)" --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" \
+            --out "$OUT/serve-split${p}x2.json"
     done
 }
 
