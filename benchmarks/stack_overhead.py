@@ -54,7 +54,7 @@ from tandem.models import load_model_config, load_tokenizer
 from tandem.serving.profiling import IDLE_GAP_S
 from tandem.serving.rpc import start_server
 from tandem.serving.service import session_window
-from tandem.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from tandem.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 # What the fake decode worker "generates" (token ids of it, in a loop): text as a model writes it.
 # The fraction of the GPU the stack's workers and the offline engine beside them take together.
@@ -242,6 +242,43 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
                 task.cancel()
 
 
+BARE_TOKEN_ID = 64  # what `--bare-gateway`'s server streams: any id of any vocabulary
+
+
+class BareGeneration(generation_pb2_grpc.GenerationServicer):
+    """`--bare-gateway`: the floor under the gateway's own cost, gRPC's per call. A grpc.aio server with tandem's
+    server options (`start_server`) whose `Generate` does nothing but stream: one token per fake step, as many as
+    the request asks (what the gateway over `FakeDecode` sends when it keeps up), no tokenizer, routing, session or
+    limits. The gateway's CPU per request less this one's is what tandem's own code adds."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+
+    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        num_tokens = max(request.sampling.max_tokens, 1)
+        for i in range(num_tokens):
+            if i:
+                await asyncio.sleep(self.step_s)
+            response = generation_pb2.GenerateResponse(request_id=request.request_id, text="a",
+                                                       token_ids=[BARE_TOKEN_ID])
+            if i == num_tokens - 1:
+                response.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+            await context.write(response)
+
+
+def serve_bare_gateway(port: int, step_s: float) -> None:
+    """The process `--bare-gateway` starts in place of `tandem gateway` (`--serve-bare-gateway PORT`)."""
+    async def main() -> None:
+        def register(server: grpc.aio.Server) -> list[str]:
+            generation_pb2_grpc.add_GenerationServicer_to_server(BareGeneration(step_s), server)
+            return ["tandem.v1.Generation"]
+
+        server, _, _ = await start_server(f"127.0.0.1:{port}", register)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
 async def run_gateway_only(args: argparse.Namespace, gateway_workers: int) -> list[dict[str, Any]]:
     """`--repeat` bursts through `tandem gateway --workers N` over a `FakeDecode` (both served from this event loop
     and the load generator's), each with the gateway's CPU per output token."""
@@ -254,12 +291,16 @@ async def run_gateway_only(args: argparse.Namespace, gateway_workers: int) -> li
     server, decode_port, _ = await start_server("127.0.0.1:0", register)
     port = free_port("127.0.0.1")
     log = tempfile.NamedTemporaryFile(prefix="tandem-gateway-", suffix=".log", delete=False)  # noqa: SIM115
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "gateway", "--model", args.model, "--decode", f"127.0.0.1:{decode_port}",
-         "--port", str(port), "--http-port", str(free_port("127.0.0.1")), "--max-model-len", str(args.max_model_len),
-         "--workers", str(gateway_workers), "--stream-interval", str(args.stream_interval),
-         "--max-stream-interval", str(args.max_stream_interval)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    if args.bare_gateway:
+        command = [sys.executable, "-m", "tandem.benchmarks.stack_overhead", "--serve-bare-gateway", str(port),
+                   "--fake-decode-step-ms", str(args.fake_decode_step_ms)]
+    else:
+        command = [sys.executable, "-m", "tandem.cli", "gateway", "--model", args.model, "--decode",
+                   f"127.0.0.1:{decode_port}", "--port", str(port), "--http-port", str(free_port("127.0.0.1")),
+                   "--max-model-len", str(args.max_model_len), "--workers", str(gateway_workers),
+                   "--stream-interval", str(args.stream_interval), "--max-stream-interval",
+                   str(args.max_stream_interval)]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     runs: list[dict[str, Any]] = []
     try:
@@ -336,7 +377,16 @@ def main() -> None:
     parser.add_argument("--fake-decode-step-ms", type=float, default=None,
                         help="measure the gateway alone, over a decode worker with no engine that makes a step (a "
                              "token for every running request) this often; no prefill worker, no engine run")
+    parser.add_argument("--bare-gateway", action="store_true",
+                        help="with --fake-decode-step-ms: a bare grpc.aio Generate server in place of the gateway "
+                             "(one token per step, nothing else): gRPC's own cost per call, for comparison")
+    parser.add_argument("--serve-bare-gateway", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_bare_gateway is not None:
+        serve_bare_gateway(args.serve_bare_gateway, (args.fake_decode_step_ms or 0.0) / 1e3)
+        return
+    if args.bare_gateway and args.fake_decode_step_ms is None:
+        parser.error("--bare-gateway needs --fake-decode-step-ms")
     if args.fake_decode_step_ms is not None:
         gateway_only(args)
         return
@@ -428,7 +478,8 @@ def gateway_only(args: argparse.Namespace) -> None:
     runs = asyncio.run(run_gateway_only(args, gateway_workers))
     cpu = [r["cpu_us_per_output_token"]["gateway"] for r in runs]
     report = {
-        "benchmark": "stack_overhead", "mode": "gateway_only", "label": args.label,
+        "benchmark": "stack_overhead", "mode": "bare_gateway" if args.bare_gateway else "gateway_only",
+        "label": args.label,
         "date": datetime.now(timezone.utc).isoformat(), "args": {k: str(v) for k, v in vars(args).items()},
         "versions": {"tandem": tandem.__version__, "grpcio": grpc.__version__, "python": platform.python_version()},
         "machine": platform.processor() or platform.machine(), "gateway_workers": gateway_workers, "stack": runs,
@@ -442,7 +493,8 @@ def gateway_only(args: argparse.Namespace) -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"gateway alone ({gateway_workers} process{'es' if gateway_workers > 1 else ''}, a fake decode step every "
+    server = "bare grpc.aio server" if args.bare_gateway else "gateway"
+    print(f"{server} alone ({gateway_workers} process{'es' if gateway_workers > 1 else ''}, a fake decode step every "
           f"{args.fake_decode_step_ms:g} ms): {report['stack_output_tok_per_s']:,.0f} output tok/s, "
           f"{report['gateway_cpu_us_per_output_token']:.1f} µs CPU per output token (event loops "
           f"{report['gateway_event_loop_cpu_us_per_output_token']:.1f} µs; median of {len(runs)}); "
