@@ -87,7 +87,7 @@ def _paged_decode_attention_kernel(
     num_queries_per_kv,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    COMBINE_IN_KERNEL: tl.constexpr, BLOCK_SPLITS: tl.constexpr, F16_DOT: tl.constexpr,
+    COMBINE_IN_KERNEL: tl.constexpr, BLOCK_SPLITS: tl.constexpr, F16_DOT: tl.constexpr, F16_Q_SCALE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
@@ -114,8 +114,12 @@ def _paged_decode_attention_kernel(
     heads = kv_head * num_queries_per_kv + offs_g
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    if F16_DOT:  # fp8 tiles then convert to fp16 in one instruction (sm_89+), and both dots run in fp16
-        q = q.to(tl.float16)
+    if F16_DOT:
+        # fp8 tiles then convert to fp16 in one instruction (sm_89+), and both dots run in fp16. q goes in scaled by
+        # 2^-8 (exact), its 2^8 folded into the logits' scale: a bf16 q up to 1.6e7 fits fp16's range (65504 unscaled),
+        # and only entries below 2^-6 lose bits (as fp16 subnormals, at most 2^-17 absolute).
+        q = (q.to(tl.float32) * F16_Q_SCALE).to(tl.float16)
+        qk_scale = qk_scale * (1.0 / F16_Q_SCALE)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -385,6 +389,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         IS_SINGLE_SPLIT=is_single_split, IS_FP8=is_fp8, DOT_PRECISION=dot_precision(q.dtype),
         COMBINE_IN_KERNEL=counters is not None,
         BLOCK_SPLITS=1 if counters is None else triton.next_power_of_2(num_splits), F16_DOT=f16_dot,
+        F16_Q_SCALE=2.0**-8,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not is_single_split and counters is None:

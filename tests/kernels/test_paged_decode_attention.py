@@ -171,15 +171,18 @@ def test_kernel_fp8_matches_ref(dtype: torch.dtype, device: torch.device, tol: d
                                     DecodeAttentionConfig(32, 4, 2, True)], ids=str)
 def test_kernel_fp8_f16_dot(config: DecodeAttentionConfig, device: torch.device) -> None:
     """An fp8 cache read by a bf16 q with fp16 dots (and other tiles): the reference's output within bf16's
-    rounding of it, through one pass and through splits; contexts past one tile and ragged ones."""
+    rounding of it, through one pass and through splits; contexts past one tile and ragged ones, and a head whose q
+    is past fp16's range."""
     heads = (8, 2, 64)
     q, k_cache, v_cache, block_tables, lens = _paged([1, 17, 40, 0, 23, 130], 16, *heads, torch.float32, device)
     k8, v8, k_scale, v_scale = _fp8(k_cache, v_cache)
+    q[1, 0] *= 1e5  # entries past fp16's 65504: the kernel scales q into range (a plain cast would give inf, NaN out)
     args = (q.to(torch.bfloat16), k8, v8, block_tables, lens, heads[2] ** -0.5)
     expected = paged_decode_attention_ref(*args, k_scale=k_scale, v_scale=v_scale)
     for num_splits in (1, 3):
         out = paged_decode_attention_triton(*args, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale,
                                             config=config)
+        assert bool(out.isfinite().all())
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2,
                                    msg=lambda m, n=num_splits: f"num_splits={n}: {m}")
 
