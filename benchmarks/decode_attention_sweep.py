@@ -78,7 +78,7 @@ def _time_shape(kv_dtype: str, batch: int, context: int, num_layers: int, heads:
     num_splits = choose_num_splits(batch, num_kv, context, num_sms)
     scales = {"k_scale": k_scale, "v_scale": v_scale} if k_scale is not None else {}
     expected = paged_decode_attention_ref(q, *layers[0], tables, lens, head_dim ** -0.5, **scales).float()
-    default = decode_attention_config(head_dim, kv_dtype == "fp8")
+    default = decode_attention_config(head_dim, kv_dtype == "fp8", num_splits)
     candidates = [default] + ([t for t in tiles if t != default] if kv_dtype == "fp8" else [])
     elem = 1 if kv_dtype == "fp8" else 2
     moved = 2 * batch * context * num_kv * head_dim * elem + 2 * q.numel() * q.element_size() + tables.numel() * 4

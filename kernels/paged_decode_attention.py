@@ -87,7 +87,7 @@ def _paged_decode_attention_kernel(
     num_queries_per_kv,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, IS_SINGLE_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    COMBINE_IN_KERNEL: tl.constexpr, BLOCK_SPLITS: tl.constexpr, F16_DOT: tl.constexpr, F16_Q_SCALE: tl.constexpr,
+    COMBINE_IN_KERNEL: tl.constexpr, BLOCK_SPLITS: tl.constexpr, F16_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
@@ -115,11 +115,16 @@ def _paged_decode_attention_kernel(
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
     if F16_DOT:
-        # fp8 tiles then convert to fp16 in one instruction (sm_89+), and both dots run in fp16. q goes in scaled by
-        # 2^-8 (exact), its 2^8 folded into the logits' scale: a bf16 q up to 1.6e7 fits fp16's range (65504 unscaled),
-        # and only entries below 2^-6 lose bits (as fp16 subnormals, at most 2^-17 absolute).
-        q = (q.to(tl.float32) * F16_Q_SCALE).to(tl.float16)
-        qk_scale = qk_scale * (1.0 / F16_Q_SCALE)
+        # fp8 tiles then convert to fp16 in one instruction (sm_89+), and both dots run in fp16. Each query head's row
+        # of q goes in scaled by a power of two (exact) that puts its largest entry in [4, 8), the scale put back on
+        # that row's logits: no product with an e4m3 value (<= 448) nor a sum of 16 of them passes fp16's 65504,
+        # whatever q's range, and only entries below 2^-14 of their row's largest lose bits (as fp16 subnormals).
+        # (A fixed 2^-8 scale gave non-finite output on an H100 for a q of ~1e5, where the interpreter was exact.)
+        q32 = q.to(tl.float32)
+        amax_bits = tl.max(tl.abs(q32), axis=1).to(tl.int32, bitcast=True)  # [BLOCK_G]
+        exponent = tl.minimum(tl.maximum((amax_bits >> 23) & 0xFF, 3), 252)  # biased; 0 (an all-zero row) -> 3
+        q = (q32 * ((256 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)  # x 2^(2 - E)
+        row_scale = ((exponent - 2) << 23).to(tl.float32, bitcast=True)  # 2^(E - 2), per row
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -136,6 +141,8 @@ def _paged_decode_attention_kernel(
         k = tl.load(k_rows + kv_head * stride_kc_head + offs_d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         k = k.to(q.dtype)  # fp8 -> q's dtype is exact; a no-op otherwise
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        if F16_DOT:
+            qk = qk * row_scale[:, None]
         # The tile's first token is always in range, so every row max is finite.
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -293,21 +300,26 @@ def _fp8_tile_override() -> DecodeAttentionConfig | None:
     return DecodeAttentionConfig.parse(text) if text else None
 
 
-def decode_attention_config(head_dim: int, is_fp8: bool) -> DecodeAttentionConfig:
-    """The split kernel's launch settings for a head size and cache dtype.
+def decode_attention_config(head_dim: int, is_fp8: bool, num_splits: int = 1) -> DecodeAttentionConfig:
+    """The split kernel's launch settings for a head size, cache dtype and split count.
 
     bf16, swept on an H200 (Triton 3.6, block_size 16, Llama GQA 32/8): 4 warps, 2 stages; 64-token tiles at D 128
     (98% of copy bandwidth at batch 256), 128-token tiles at D 64 (small tiles left D 64 latency-bound at batch 64).
-    An fp8 cache keeps the same tiles unless $TANDEM_FP8_KV_DECODE_TILE says otherwise (read once per process):
-    each tile is half the bytes, so twice the tokens per tile would keep the bytes in flight per stage, and fp16
-    dots convert e4m3 in one instruction where bf16 takes several; `benchmarks/decode_attention_sweep.py` measures
-    the candidates. (Doubling BLOCK_N also halves the useful splits at batch 1: slices are whole tiles.)
+    An fp8 cache's tile holds half the bytes: without splits (S * Hkv past two waves of SMs, batch >= 33 for Llama 8B
+    on an H100) it takes twice the tokens: 18-25% less time than the bf16 tile at batch 64, 3-4% at batch 256 on an
+    H100 (`benchmarks/decode_attention_sweep.py`, `benchmarks/results/README.md`); with splits (small batches) the
+    bf16 tile stays, as slices are whole tiles. $TANDEM_FP8_KV_DECODE_TILE (read once per process) overrides an fp8
+    cache's tile, fp16 dots included (`128,4,3,f16`: 24-38% less time than the bf16 tile at batch 64-256 on the
+    H100; opt-in until its GPU test passes).
     """
     if is_fp8 and (override := _fp8_tile_override()) is not None:
         return override
     if head_dim <= 64:
         return DecodeAttentionConfig(128, 4, 2)
-    return DecodeAttentionConfig(64 if head_dim <= 128 else 32, 4, 2)
+    block_n = 64 if head_dim <= 128 else 32
+    if is_fp8 and num_splits == 1:
+        block_n *= 2
+    return DecodeAttentionConfig(block_n, 4, 2)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -357,7 +369,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if block_d > 256 or block_g > 64:
         raise ValueError(f"paged_decode_attention: head_dim {head_dim} (<= 256) or GQA group "
                          f"{num_queries_per_kv} (<= 64) unsupported")
-    cfg = config if config is not None else decode_attention_config(head_dim, is_fp8)
+    cfg = config if config is not None else decode_attention_config(head_dim, is_fp8, num_splits)
     f16_dot = cfg.f16_dot and is_fp8 and q.dtype in (torch.bfloat16, torch.float16)
     is_single_split = num_splits == 1
     if is_single_split:
@@ -389,7 +401,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         IS_SINGLE_SPLIT=is_single_split, IS_FP8=is_fp8, DOT_PRECISION=dot_precision(q.dtype),
         COMBINE_IN_KERNEL=counters is not None,
         BLOCK_SPLITS=1 if counters is None else triton.next_power_of_2(num_splits), F16_DOT=f16_dot,
-        F16_Q_SCALE=2.0**-8,
         USE_PDL=pdl, launch_pdl=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not is_single_split and counters is None:

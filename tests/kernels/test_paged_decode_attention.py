@@ -16,6 +16,7 @@ from tandem.kernels.paged_decode_attention import (
     MIN_TOKENS_PER_SPLIT,
     DecodeAttentionConfig,
     choose_num_splits,
+    decode_attention_config,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
@@ -185,6 +186,25 @@ def test_kernel_fp8_f16_dot(config: DecodeAttentionConfig, device: torch.device)
         assert bool(out.isfinite().all())
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2,
                                    msg=lambda m, n=num_splits: f"num_splits={n}: {m}")
+
+
+def test_fp8_tile_by_split_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp8 cache's tile doubles its tokens where no splits run (the H100's sweep), keeps the bf16 tile with splits
+    and at D 64; bf16 caches are unchanged; the environment's tile overrides an fp8 cache's only."""
+    from tandem.kernels import paged_decode_attention as module
+
+    assert decode_attention_config(128, True, 1) == DecodeAttentionConfig(128, 4, 2)
+    assert decode_attention_config(128, True, 16) == DecodeAttentionConfig(64, 4, 2)
+    assert decode_attention_config(128, False, 1) == DecodeAttentionConfig(64, 4, 2)
+    assert decode_attention_config(64, True, 1) == DecodeAttentionConfig(128, 4, 2)
+    monkeypatch.setenv(module.FP8_TILE_ENV, "128,4,3,f16")
+    module._fp8_tile_override.cache_clear()
+    try:
+        assert decode_attention_config(128, True, 16) == DecodeAttentionConfig(128, 4, 3, True)
+        assert decode_attention_config(128, False, 1) == DecodeAttentionConfig(64, 4, 2)
+    finally:
+        monkeypatch.delenv(module.FP8_TILE_ENV)
+        module._fp8_tile_override.cache_clear()
 
 
 def test_fp8_tile_setting_parsed() -> None:
