@@ -76,12 +76,42 @@ def running_stack(mode: str, model: str, device: str, max_num_seqs: int, extra_a
                 raise SystemExit(f"the stack did not start in 600 s; see {log}")
             time.sleep(0.5)
         yield f"127.0.0.1:{port}", time.monotonic() - started
+        pools = kv_pools(status)
+        if pools:
+            print("KV pools: " + "; ".join(f"{name}: {line}" for name, line in pools.items()), flush=True)
+            kv_pools_seen.update(pools)
     finally:
         stack.send_signal(signal.SIGTERM)
         try:
             stack.wait(timeout=60)
         except subprocess.TimeoutExpired:
             stack.kill()
+
+
+kv_pools_seen: dict[str, str] = {}  # the last stack's workers' pools, for the report
+
+
+def kv_pools(status: Path) -> dict[str, str]:
+    """Each worker's `KV pool: ...` line from its log (the paths `tandem up --status-file` wrote), by role and
+    index: how the GPU's memory went to the roles in this run."""
+    try:
+        services = json.loads(status.read_text())["services"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    pools: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    for service in services:
+        role = service.get("role", "?")
+        index = counts.get(role, 0)
+        counts[role] = index + 1
+        try:
+            lines = Path(service["log"]).read_text(errors="replace").splitlines()
+        except (OSError, KeyError):
+            continue
+        line = next((ln for ln in lines if "KV pool:" in ln), None)
+        if line is not None:
+            pools[f"{role}-{index}"] = line[line.index("KV pool:") + len("KV pool:"):].strip()
+    return pools
 
 
 def first_request_ttft(address: str, prompt_len: int, repeats: int = 5) -> dict[str, float]:
@@ -139,7 +169,7 @@ def main() -> None:
         "device": args.device,
         "prompt_len": args.prompt_len, "output_len": args.output_len, "num_requests": args.num_requests,
         "ttft_slo_s": args.ttft_slo, "tpot_slo_s": args.tpot_slo, "stack_startup_s": startup_s,
-        "first_request": cold, "results": results}
+        "first_request": cold, "kv_pools": dict(kv_pools_seen), "results": results}
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{args.mode}: stack up in {startup_s:.1f} s; first request TTFT {cold['first_s'] * 1e3:.1f} ms, "
           f"steady {cold['steady_median_s'] * 1e3:.1f} ms ({cold['first_over_steady']:.2f}x)")
