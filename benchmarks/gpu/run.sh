@@ -88,6 +88,8 @@
 #   serve14b #14: serve14's disaggregated run with every worker's step budget at 2,048 tokens, ~3 min
 #   serve14e #14: the prefill worker's forward vs local, two prefill workers capped at 70% (2-48 req/s) and at 85%
 #            (2-16 req/s) at the 2,048 budget, ~7 min
+#   kv18b    #18: after kv18: the kernel tests again (per-row q scaling), the sweep, the 8B fp8 + fp8 KV step and
+#            offline with the new default tile, the old one and 128,4,3,f16, ~6 min
 #   kv18     #18: the fp8 KV cache's decode attention tiles swept (fp16 dots), the best against the default through
 #            the 8B step and offline, the 1,000/1,000 run with it, ~9 min
 #   gemv18   #18: the M = 1 GEMV swept (split-K targets, CUDA-core tiles and warps), int8 and fp8, ~3 min
@@ -1323,6 +1325,25 @@ suite_v18() {
         step pdl-det-gemm 100 env TANDEM_QUANT_SMALL_M=0 $PY -m tandem.benchmarks.pdl_determinism \
             --quantization fp8 --prompt-lens 4
     fi
+}
+
+# Next (#18), after kv18: the fp16 dots' GPU test failed with a fixed q scale (now per row) and the doubled fp8 tile is
+# the default without fp16 dots, its step effect unmeasured. The kernel tests (fp16 dots and the default tiles with a
+# large q), the sweep, then the 8B step and offline: the new default, the old tile (64,4,2) and 128,4,3,f16. ~6 min.
+suite_kv18b() {
+    step kv18b-tests 150 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_paged_decode_attention.py
+    step attn-sweep 240 $PY -m tandem.benchmarks.decode_attention_sweep $DRY --out "$OUT/attn-sweep.json"
+    local Q="$TI $PY -m tandem.benchmarks.quant" tile name
+    for tile in default 64,4,2 128,4,3,f16; do
+        name=${tile//,/-}
+        step "kv18b-step-$name" 150 env TANDEM_FP8_KV_DECODE_TILE="${tile#default}" $Q decode-latency $DRY \
+            --model "$BIG" --variants fp8+fp8kv --batches 1,64,256 --steps "$(n 50 3)" --out "$OUT/step-$name"
+    done
+    for tile in default 128,4,3,f16; do
+        name=${tile//,/-}
+        step "kv18b-offline-$name" 150 env TANDEM_FP8_KV_DECODE_TILE="${tile#default}" $Q offline $DRY \
+            --model "$BIG" --variants fp8+fp8kv --out "$OUT/offline-$name"
+    done
 }
 
 # 2026-12-07, sixth session (#18): an fp8 KV cache's decode attention streamed at ~half a bf16 cache's bandwidth (batch

@@ -188,6 +188,23 @@ def test_kernel_fp8_f16_dot(config: DecodeAttentionConfig, device: torch.device)
                                    msg=lambda m, n=num_splits: f"num_splits={n}: {m}")
 
 
+@pytest.mark.usefixtures("needs_triton")
+def test_kernel_fp8_large_q(dtype: torch.dtype, device: torch.device, tol: dict[str, float]) -> None:
+    """The default tiles (no fp16 dots) with a query head near 1e5, as `test_kernel_fp8_f16_dot` has: finite and the
+    reference's, so that a GPU run tells a failure of the fp16 path from one of the kernel's (an H100 gave non-finite
+    output for the fp16 path with a fixed 2^-8 scaling of q, 2026-12-07)."""
+    heads = (8, 2, 64)
+    q, k_cache, v_cache, block_tables, lens = _paged([1, 17, 40, 0, 23, 130], 16, *heads, torch.float32, device)
+    k8, v8, k_scale, v_scale = _fp8(k_cache, v_cache)
+    q[1, 0] *= 1e5
+    args = (q.to(dtype), k8, v8, block_tables, lens, heads[2] ** -0.5)
+    expected = paged_decode_attention_ref(*args, k_scale=k_scale, v_scale=v_scale)
+    for num_splits in (1, 3):
+        out = paged_decode_attention_triton(*args, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+        assert bool(out.isfinite().all()), num_splits
+        torch.testing.assert_close(out, expected, **tol, msg=lambda m, n=num_splits: f"num_splits={n}: {m}")
+
+
 def test_fp8_tile_by_split_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp8 cache's tile doubles its tokens where no splits run (the H100's sweep), keeps the bf16 tile with splits
     and at D 64; bf16 caches are unchanged; the environment's tile overrides an fp8 cache's only."""
