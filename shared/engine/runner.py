@@ -198,9 +198,12 @@ class ModelRunner:
                                             extra_bytes_per_block=extra_kv_bytes_per_block,
                                             reserved_bytes=reserved_kv_bytes)
         self.kv_cache = KVCache(model_config, self.block_size, num_blocks, kv_dtype, self.device)
-        log.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", num_blocks, self.block_size,
-                 num_blocks * self.block_size, self.kv_cache.tensor.numel() * self.kv_cache.tensor.element_size()
-                 / (1 << 30), kv_dtype)
+        # With how many requests of the whole context fit at once (as vLLM's "maximum concurrency"): a pool squeezed by
+        # other workers on the GPU shows here before requests wait for blocks.
+        log.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB, %s): %.1f requests of %d tokens at once",
+                 num_blocks, self.block_size, num_blocks * self.block_size,
+                 self.kv_cache.tensor.numel() * self.kv_cache.tensor.element_size() / (1 << 30), kv_dtype,
+                 num_blocks / self.max_blocks_per_seq, self.max_model_len)
         self.model.set_kv_scales(self.kv_cache.scales)
         self.kv_layers = self.kv_cache.layers
         self.cos_sin = cos_sin_cache(model_config.rope, model_config.head_dim, self.max_model_len, self.device)
