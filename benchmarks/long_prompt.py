@@ -111,7 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     max_model_len = max(args.long_prompt + args.long_tokens, args.stream_prompt + args.stream_tokens) + 16
     extra = ["--max-model-len", str(max_model_len), *shlex.split(args.stack_args)]
-    with running_stack("colocated", args.model, args.device, args.max_num_seqs, extra, args.out) as (address, _):
+    with running_stack("colocated", args.model, args.device, args.max_num_seqs, extra, args.out) as (address, _, _):
         result = asyncio.run(measure(address, args))
     result.update(model=args.model, device=args.device, stack_args=extra)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

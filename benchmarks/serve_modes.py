@@ -56,9 +56,9 @@ def stack_command(mode: str, model: str, device: str, port: int, http_port: int,
 
 @contextlib.contextmanager
 def running_stack(mode: str, model: str, device: str, max_num_seqs: int, extra_args: list[str],
-                  out: Path, num_prefill: int = 1) -> Iterator[tuple[str, float]]:
-    """`tandem up` in `mode` with `extra_args`, its log beside `out`; yields (gateway address, start-up seconds)
-    once it is serving, and stops it (SIGTERM) afterwards."""
+                  out: Path, num_prefill: int = 1) -> Iterator[tuple[str, float, dict[str, str]]]:
+    """`tandem up` in `mode` with `extra_args`, its log beside `out`; yields (gateway address, start-up seconds,
+    the workers' KV pools by `kv_pools`) once it is serving, and stops it (SIGTERM) afterwards."""
     port, http_port = free_port("127.0.0.1"), free_port("127.0.0.1")
     status = Path(tempfile.mkdtemp(prefix="tandem-serve-")) / "status.json"
     log = out.with_suffix(".stack.log")
@@ -75,20 +75,13 @@ def running_stack(mode: str, model: str, device: str, max_num_seqs: int, extra_a
             if time.monotonic() - started > 600:
                 raise SystemExit(f"the stack did not start in 600 s; see {log}")
             time.sleep(0.5)
-        yield f"127.0.0.1:{port}", time.monotonic() - started
-        pools = kv_pools(status)
-        if pools:
-            print("KV pools: " + "; ".join(f"{name}: {line}" for name, line in pools.items()), flush=True)
-            kv_pools_seen.update(pools)
+        yield f"127.0.0.1:{port}", time.monotonic() - started, kv_pools(status)
     finally:
         stack.send_signal(signal.SIGTERM)
         try:
             stack.wait(timeout=60)
         except subprocess.TimeoutExpired:
             stack.kill()
-
-
-kv_pools_seen: dict[str, str] = {}  # the last stack's workers' pools, for the report
 
 
 def kv_pools(status: Path) -> dict[str, str]:
@@ -157,7 +150,9 @@ def main() -> None:
 
     command_args = shlex.split(args.stack_args)
     with running_stack(args.mode, args.model, args.device, args.max_num_seqs, command_args, args.out,
-                       args.prefill_workers) as (address, startup_s):
+                       args.prefill_workers) as (address, startup_s, pools):
+        if pools:
+            print("KV pools: " + "; ".join(f"{name}: {line}" for name, line in pools.items()), flush=True)
         prompt_tokens = int(args.prompt_len.split(":")[1])
         cold = first_request_ttft(address, prompt_tokens)
         results = run(address, [float(r) for r in args.rates.split(",")], args.num_requests, args.prompt_len,
@@ -169,7 +164,7 @@ def main() -> None:
         "device": args.device,
         "prompt_len": args.prompt_len, "output_len": args.output_len, "num_requests": args.num_requests,
         "ttft_slo_s": args.ttft_slo, "tpot_slo_s": args.tpot_slo, "stack_startup_s": startup_s,
-        "first_request": cold, "kv_pools": dict(kv_pools_seen), "results": results}
+        "first_request": cold, "kv_pools": pools, "results": results}
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{args.mode}: stack up in {startup_s:.1f} s; first request TTFT {cold['first_s'] * 1e3:.1f} ms, "
           f"steady {cold['steady_median_s'] * 1e3:.1f} ms ({cold['first_over_steady']:.2f}x)")
