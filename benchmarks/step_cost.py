@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024, help="the decoding sequences' prompt length")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="kernel times of one step per shape")
+    parser.add_argument("--quantization", choices=["int8", "fp8"], help="the weights' (default: the model's dtype)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -58,9 +60,12 @@ def main() -> None:
     max_model_len = max(max_p, args.context) + steps_needed + 64
     started = time.perf_counter()
     llm = LLM(args.model, device=args.device, max_num_seqs=max(max_d, 1) + 1,
-              max_num_batched_tokens=max(max_p + max_d, args.context * max(max_d, 1), 16),
+              # The decoding sequences' prompts go in steps of at most 16,384 tokens (an 8B model's activations for
+              # 256 x 1,024 in one step would not fit beside its pool).
+              max_num_batched_tokens=max(max_p + max_d, min(args.context * max(max_d, 1), 16384), 16),
               max_model_len=max_model_len, prompt_tokens_while_decoding=0,  # the shapes as asked
-              async_scheduling=False)  # one step at a time: its parts and its GPU time are its own
+              async_scheduling=False,  # one step at a time: its parts and its GPU time are its own
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     runner = engine.runner
     engine.warm_up()

@@ -90,6 +90,8 @@
 #            (2-16 req/s) at the 2,048 budget, ~7 min
 #   kv18b    #18: after kv18: the kernel tests again (per-row q scaling), the sweep, the 8B fp8 + fp8 KV step and
 #            offline with the new default tile, the old one and 128,4,3,f16, ~6 min
+#   prof18   #18: where fp8's prefill falls short of 2x bf16 (offline 1.41x, target 1.5x): the GPU kernels of one
+#            4,096-token prompt step and of a 256-sequence decode step, bf16 / fp8 / fp8 + fp8 KV, ~4 min
 #   kv18     #18: the fp8 KV cache's decode attention tiles swept (fp16 dots), the best against the default through
 #            the 8B step and offline, the 1,000/1,000 run with it, ~9 min
 #   gemv18   #18: the M = 1 GEMV swept (split-K targets, CUDA-core tiles and warps), int8 and fp8, ~3 min
@@ -1343,6 +1345,22 @@ suite_kv18b() {
         name=${tile//,/-}
         step "kv18b-offline-$name" 150 env TANDEM_FP8_KV_DECODE_TILE="${tile#default}" $Q offline $DRY \
             --model "$BIG" --variants fp8+fp8kv --out "$OUT/offline-$name"
+    done
+}
+
+# 2026-12-07, seventh session (#18): fp8 + fp8 KV offline was 1.41x bf16 on the H100 (target 1.5x), prefill most of
+# that job's time. The kernels of one step by shape and variant (`step_cost --profile`: torch.profiler, top 15).
+suite_prof18() {
+    local variant args
+    for variant in bf16 fp8 fp8+fp8kv; do
+        case $variant in
+            bf16) args=() ;;
+            fp8) args=(--quantization fp8) ;;
+            *) args=(--quantization fp8 --kv-cache-dtype fp8) ;;
+        esac
+        step "prof18-$variant" 170 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" "${args[@]}" \
+            --prompt-tokens "0,$(n 4096 64)" --decodes "0,$(n 256 4)" --context "$(n 1024 32)" --repeat "$(n 5 1)" \
+            --profile --out "$OUT/step-cost-$variant.json"
     done
 }
 
