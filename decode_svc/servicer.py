@@ -14,6 +14,7 @@ from tandem.decode_svc.generation import RequestRunner
 from tandem.decode_svc.sessions import Sessions
 from tandem.serving.async_engine import AsyncEngine
 from tandem.serving.service import session_window
+from tandem.serving.weight_ipc import export_weights
 from tandem.serving.worker import worker_info
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -24,6 +25,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         self.model_name = model_name
         self.runner = runner
         self.sessions = Sessions(runner)
+        self._weights: worker_pb2.WeightsResponse | None = None
 
     async def Generate(self, request: worker_pb2.DecodeRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeResponse]:
@@ -45,6 +47,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
     async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         return worker_info(self.engine, "decode", self.model_name)
+
+    async def Weights(self, request: worker_pb2.WeightsRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.WeightsResponse:
+        """This worker's weights as IPC handles, for a prefill worker on its GPU (made once: the weights never
+        move)."""
+        if self._weights is None:
+            runner = self.engine.engine.runner
+            self._weights = export_weights(runner.model, self.engine.engine.config.model, runner.dtype)
+        return self._weights
 
     def drain(self) -> None:
         self.sessions.drain()

@@ -124,7 +124,7 @@ EngineGroup = "Engine"
 
 def _worker(role: str, service: dict[str, object], engine: dict[str, object], threads: int,
             kv_transport: str = "auto", max_queued: int = 1024, prefill_peers: list[str] | None = None,
-            speculative_config: str | None = None) -> None:
+            speculative_config: str | None = None, weights_from: str | None = None) -> None:
     """Flags → `ServiceOptions` and `EngineConfig` (each built once, here), then the worker's `serve`."""
     import asyncio
     import logging
@@ -149,7 +149,7 @@ def _worker(role: str, service: dict[str, object], engine: dict[str, object], th
     if role == "prefill":
         from tandem.prefill_svc.server import serve as serve_prefill
 
-        asyncio.run(serve_prefill(options, config, model))
+        asyncio.run(serve_prefill(options, config, model, weights_from))
     else:
         import json
 
@@ -210,6 +210,10 @@ def prefill(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port:
             async_scheduling: AsyncSchedulingOpt = None,
             tls_cert: TlsCertOpt = None, tls_key: TlsKeyOpt = None, tls_ca: TlsCaOpt = None,
             internal_token_file: InternalTokenFileOpt = None, insecure: InsecureOpt = False,
+            weights_from: Annotated[str | None, typer.Option(
+                help="HOST:PORT of a decode worker on this GPU whose weights to map (CUDA IPC) instead of loading a "
+                     "copy; this worker waits for it and exits if it goes away. `tandem up` sets it on one GPU.",
+                rich_help_panel=EngineGroup)] = None,
             ) -> None:
     """Run one prefill worker."""
     _worker("prefill", dict(host=host, port=port, http_port=http_port, advertise=advertise, redis_url=redis,
@@ -221,7 +225,7 @@ def prefill(model: ModelOpt = "smollm2-135m", host: HostOpt = "127.0.0.1", port:
                  prompt_tokens_while_decoding=prompt_tokens_while_decoding,
                  enable_prefix_caching=prefix_caching, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                  async_scheduling=async_scheduling),
-            threads)
+            threads, weights_from=weights_from)
 
 
 @app.command()
@@ -459,6 +463,10 @@ def up(
     gateway_workers: Annotated[int | None, typer.Option(
         min=1, help="Gateway processes on the gateway's ports (`tandem gateway --workers`). Default: one per 4 "
                     "CPUs, between 1 and 4.", show_default=False)] = None,
+    share_weights: Annotated[bool, typer.Option(
+        "--share-weights/--no-share-weights",
+        help="On a GPU, prefill workers map the first decode worker's weights (CUDA IPC) instead of loading a copy "
+             "each; they then stop when it does.")] = False,
 ) -> None:
     """Start a gateway, N prefill and M decode workers (one process each), until Ctrl-C/SIGTERM."""
     from tandem.launcher import Stack, StackOptions
@@ -484,7 +492,8 @@ def up(
                            async_scheduling=async_scheduling, max_request_bytes=max_request_bytes,
                            decode_stall_timeout_s=decode_stall_timeout,
                            stream_interval=stream_interval, max_stream_interval=max_stream_interval,
-                           local_prefill_max_tokens=local_prefill_max_tokens, gateway_workers=gateway_workers)
+                           local_prefill_max_tokens=local_prefill_max_tokens, gateway_workers=gateway_workers,
+                           share_weights=share_weights)
     raise typer.Exit(Stack(options).run(demo=demo, exit_after_demo=exit_after_demo))
 
 

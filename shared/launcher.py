@@ -55,17 +55,17 @@ def weight_bytes_estimate(model: Any, quantization: str | None) -> int:
 
 def gpu_memory_shares(model: Any, total_bytes: int, num_prefill: int, num_decode: int, prefill_batched_tokens: int,
                       kv_bytes_per_token: int, quantization: str | None = None,
-                      budget: float = GPU_MEMORY_FRACTION_SHARED) -> tuple[float, float]:
+                      budget: float = GPU_MEMORY_FRACTION_SHARED, shared_weights: bool = False) -> tuple[float, float]:
     """(each prefill worker's, each decode worker's) fraction of one GPU's memory when they share it. A prefill
-    worker needs its weights, a pool of `PREFILL_POOL_STEPS` steps and a workspace; an even split left decode's pool
-    too small for the requests at high load when two prefill workers shared an H200 with it (llama-3.1-8b: ~125
-    requests of 1,280 tokens, against 128 running), so the decode workers get the rest of `budget` (the fraction of
-    the GPU all of them take together)."""
+    worker needs its weights (none with `shared_weights`: it maps a decode worker's), a pool of `PREFILL_POOL_STEPS`
+    steps and a workspace; an even split left decode's pool too small for the requests at high load when two prefill
+    workers shared an H200 with it (llama-3.1-8b: ~125 requests of 1,280 tokens, against 128 running), so the decode
+    workers get the rest of `budget` (the fraction of the GPU all of them take together)."""
     equal = budget / max(1, num_prefill + num_decode)
     if not num_prefill or not num_decode or total_bytes <= 0:
         return round(equal, 3), round(equal, 3)
-    need = (weight_bytes_estimate(model, quantization) + PREFILL_POOL_STEPS * prefill_batched_tokens
-            * kv_bytes_per_token + PREFILL_WORKSPACE_BYTES)
+    weights = 0 if shared_weights else weight_bytes_estimate(model, quantization)
+    need = weights + PREFILL_POOL_STEPS * prefill_batched_tokens * kv_bytes_per_token + PREFILL_WORKSPACE_BYTES
     prefill = min(equal, need / total_bytes)  # never more than an even share: decode never gets less than one
     decode = (budget - num_prefill * prefill) / num_decode
     return round(prefill, 3), round(decode, 3)
@@ -135,6 +135,16 @@ class StackOptions:
     # Gateway processes on the gateway's ports (`tandem gateway --workers`); None: one per 4 CPUs, between 1 and 4
     # (`tandem.gateway.workers.default_num_workers`).
     gateway_workers: int | None = None
+    # On one GPU, prefill workers map the first decode worker's weights (`tandem prefill --weights-from`) instead of
+    # loading a copy each (`tandem.serving.weight_ipc`). Opt-in until measured on a GPU (docs/architecture.md).
+    share_weights: bool = False
+
+    @property
+    def shares_weights(self) -> bool:
+        """Whether this stack's prefill workers map a decode worker's weights: on CUDA, both roles present, and each
+        worker's memory from `gpu_memory_shares` (a fraction given for every worker assumes its own weights)."""
+        return (self.share_weights and self.device.startswith("cuda") and self.num_prefill > 0
+                and self.num_decode > 0 and not self.gpu_memory_fraction)
 
 
 @dataclass
@@ -286,6 +296,10 @@ class Stack:
                     base + [role, *common, *engine_flags, *on_one_gpu, "--host", o.host, "--port", str(port),
                             "--http-port", str(http_port)] + (decode_flags if role == "decode" else []),
                     log_dir / f"{role}-{i}.log"))
+        if o.shares_weights:
+            for service in self.services:
+                if service.role == "prefill":
+                    service.command += ["--weights-from", workers["decode"][0]]
         # Port 0 means "pick a free one": picked here, so that the launcher knows where the gateway listens.
         gateway_port = o.gateway_port or free_port(o.host)
         gateway_http_port = o.gateway_http_port or free_port(o.host)
@@ -318,14 +332,15 @@ class Stack:
         try:
             model = load_model_config(o.model, fetch=False)
         except Exception:  # the worker reports a bad model itself; the shares need only a shape
-            return gpu_memory_shares(None, 0, o.num_prefill, o.num_decode, 0, 0, budget=o.gpu_memory_budget)
+            return gpu_memory_shares(None, 0, o.num_prefill, o.num_decode, 0, 0, budget=o.gpu_memory_budget,
+                                     shared_weights=o.shares_weights)
         # `tandem.engine.kv_cache.bytes_per_block` of one token, without torch in this process: a GPU's pages are
         # fp8 or bf16.
         kv_per_token = (2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
                         * (1 if o.kv_cache_dtype == "fp8" else 2))
         return gpu_memory_shares(model, gpu_total_bytes(), o.num_prefill, o.num_decode,
                                  o.max_num_batched_tokens or SHARED_GPU_PREFILL_BATCHED_TOKENS, kv_per_token,
-                                 o.quantization, budget=o.gpu_memory_budget)
+                                 o.quantization, budget=o.gpu_memory_budget, shared_weights=o.shares_weights)
 
     def child_env(self, role: str) -> dict[str, str]:
         """The environment a service of this stack runs in: ours, with the stack's internal token (planned)."""

@@ -90,6 +90,8 @@
 #            (2-16 req/s) at the 2,048 budget, ~7 min
 #   kv18b    #18: after kv18: the kernel tests again (per-row q scaling), the sweep, the 8B fp8 + fp8 KV step and
 #            offline with the new default tile, the old one and 128,4,3,f16, ~6 min
+#   share14  #14: prefill workers mapping the decode worker's weights (one copy per GPU): the GPU stack test of it, then
+#            two prefill workers at 85% of the SMs at 2-48 req/s (their pools recorded), ~8 min
 #   prof18   #18: where fp8's prefill falls short of 2x bf16 (offline 1.41x, target 1.5x): the GPU kernels of one
 #            4,096-token prompt step and of a 256-sequence decode step, bf16 / fp8 / fp8 + fp8 KV, ~4 min
 #   kv18     #18: the fp8 KV cache's decode attention tiles swept (fp16 dots), the best against the default through
@@ -1346,6 +1348,18 @@ suite_kv18b() {
         step "kv18b-offline-$name" 150 env TANDEM_FP8_KV_DECODE_TILE="${tile#default}" $Q offline $DRY \
             --model "$BIG" --variants fp8+fp8kv --out "$OUT/offline-$name"
     done
+}
+
+# 2026-12-07, seventh session (#14): on an 80 GB card two 8B prefill workers' own weights left decode ~8 GB of pages; now
+# they may map the decode worker's (`tandem up --share-weights`, opt-in until this runs). The stack test of it, then serve14e's
+# two workers at 85% at every rate.
+suite_share14() {
+    step share14-stack 150 $PY -m pytest -q -x -p no:cacheprovider tests/e2e/test_gpu_stack.py \
+        -k mapped_weights
+    step serve-split85x2-shared 420 $PY -m tandem.benchmarks.serve_modes --mode split:85:100 --prefill-workers 2 \
+        --model "$BIG" --device "$DEVICE" --max-num-seqs "$(n 128 8)" --rates "$(n "${SERVE14_RATES:-2,8,16,32,48}" 4)" \
+        --num-requests "$(n 128 4)" --prompt-len "fixed:$(n 1024 32)" --output-len "fixed:$(n 256 8)" \
+        --stack-args "--share-weights" --out "$OUT/serve-split85x2-shared.json"
 }
 
 # 2026-12-07, seventh session (#18): fp8 + fp8 KV offline was 1.41x bf16 on the H100 (target 1.5x), prefill most of

@@ -120,11 +120,12 @@ def linear_backend(kind: str, ops_name: str, device: torch.device) -> str:
 
 
 @torch.no_grad()
-def quantize_linears(model: LlamaForCausalLM, method: str) -> int:
+def quantize_linears(model: LlamaForCausalLM, method: str, device: torch.device | None = None) -> int:
     """Replace the projections of every decoder layer of `model` (weights loaded) by `QuantizedLinear`s of
     `method` ("int8" | "fp8"), on the weights' device; returns how many were replaced. The full-precision weights
-    are released as each layer is done."""
-    device = model.lm_head.weight.device
+    are released as each layer is done. `device`: the device the layers' kernels are picked for, when it is not the
+    weights' (a structure built on the meta device for weights mapped later)."""
+    device = device or model.lm_head.weight.device
     if method == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ConfigError(f"quantization: fp8 needs fp8 tensor cores (compute capability >= 8.9), {device} has "
                           f"{torch.cuda.get_device_capability(device)}")
@@ -138,7 +139,7 @@ def quantize_linears(model: LlamaForCausalLM, method: str) -> int:
             assert isinstance(linear, nn.Linear), f"{name} is {type(linear).__name__}, not nn.Linear"
             setattr(parent, attr, QuantizedLinear.from_linear(linear, method, backend))
             count += 1
-    if device.type == "cuda":
+    if model.lm_head.weight.is_cuda:
         # The bf16 weights' memory goes back to the device: the KV pool is sized from what this process holds.
         torch.cuda.empty_cache()
     return count

@@ -172,16 +172,19 @@ def select_ops(config: EngineConfig) -> Ops:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, ops: Ops | None = None, *, extra_kv_bytes_per_block: int = 0,
-                 reserved_kv_bytes: int = 0) -> None:
+                 reserved_kv_bytes: int = 0, model: LlamaForCausalLM | None = None) -> None:
         """`extra_kv_bytes_per_block`, `reserved_kv_bytes`: a draft model's pool shares the KV budget
-        (`num_blocks_to_allocate`)."""
+        (`num_blocks_to_allocate`). `model`: the model with its weights already in place (mapped from a peer's,
+        `tandem.serving.weight_ipc`), built with `ops`, instead of building and loading one here."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype: torch.dtype = getattr(torch, config.resolved_dtype)
         self.ops = ops or select_ops(config)
         model_config = config.model
-        self.model: LlamaForCausalLM = build_model(model_config, self.ops, self.dtype, self.device)
-        load_weights(self.model, model_config)  # quantizes the projections with model_config.quantization
+        if model is None:
+            model = build_model(model_config, self.ops, self.dtype, self.device)
+            load_weights(model, model_config)  # quantizes the projections with model_config.quantization
+        self.model: LlamaForCausalLM = model
         self.model.eval().requires_grad_(False)
         if self.device.type == "cuda":
             # Quantization replaced the projections: give their unquantized weights back to the GPU, so that the

@@ -98,14 +98,13 @@ class ExportedPool:
     @classmethod
     def of(cls, pool: torch.Tensor) -> ExportedPool:
         assert pool.is_cuda and pool.is_contiguous() and pool.storage_offset() == 0, "export the whole pool"
-        (_, memory_handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
-         event_sync) = pool.untyped_storage()._share_cuda_()
+        (memory_handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
+         event_sync) = share_storage(pool.untyped_storage())
         # The pool lives as long as the worker, so the handle stays valid for every peer.
         handle = PoolHandle(gpu_uuid=gpu_uuid(pool.device), num_blocks=pool.shape[2], memory_handle=memory_handle,
                             storage_size_bytes=size_bytes, storage_offset_bytes=offset_bytes,
-                            ref_counter_handle=ref_handle.decode() if isinstance(ref_handle, bytes) else ref_handle,
-                            ref_counter_offset=ref_offset, event_handle=event_handle or b"",
-                            event_sync_required=bool(event_sync))
+                            ref_counter_handle=ref_handle, ref_counter_offset=ref_offset, event_handle=event_handle,
+                            event_sync_required=event_sync)
         return cls(pool_id=uuid.uuid4().hex, handle=handle)
 
 
@@ -114,24 +113,34 @@ def check_pool_handle(handle: PoolHandle, layout: KVLayout, device: torch.device
     problems = []
     if device.type != "cuda" or handle.gpu_uuid != gpu_uuid(device):
         problems.append(f"gpu_uuid {handle.gpu_uuid!r} is not this worker's GPU")
-    if not _is_cuda_malloc_handle(handle.memory_handle):
-        problems.append(f"memory_handle ({len(handle.memory_handle)} bytes) is not a cudaMalloc block's IPC handle")
-    if (handle.event_handle or handle.event_sync_required) and len(handle.event_handle) != IPC_HANDLE_SIZE:
-        problems.append(f"event_handle is {len(handle.event_handle)} bytes, not {IPC_HANDLE_SIZE}")
     if handle.num_blocks < 1:
         problems.append("num_blocks must be >= 1")
     expected = handle.num_blocks * 2 * layout.num_layers * layout.block_bytes_per_layer
     if handle.storage_size_bytes != expected:
         problems.append(f"storage_size_bytes {handle.storage_size_bytes} != {expected} for {handle.num_blocks} "
                         "blocks of this layout")
-    if handle.storage_offset_bytes >= 1 << 48:
-        problems.append(f"storage_offset_bytes {handle.storage_offset_bytes} is out of range")
-    if not _REF_COUNTER_HANDLE.fullmatch(handle.ref_counter_handle):
-        problems.append(f"ref_counter_handle {handle.ref_counter_handle[:64]!r} is not a torch IPC counter file")
-    if not 0 <= handle.ref_counter_offset < _REF_COUNTER_SLOTS:
-        problems.append(f"ref_counter_offset {handle.ref_counter_offset} is out of range")
+    problems += storage_problems(handle.memory_handle, handle.storage_offset_bytes, handle.ref_counter_handle,
+                                 handle.ref_counter_offset, handle.event_handle, handle.event_sync_required)
     if problems:
         raise PoolOpenError("cuda-ipc: invalid pool handle (" + "; ".join(problems) + ")")
+
+
+def storage_problems(memory_handle: bytes, storage_offset_bytes: int, ref_counter_handle: str,
+                     ref_counter_offset: int, event_handle: bytes, event_sync_required: bool) -> list[str]:
+    """What is wrong with the fields of a shared CUDA storage (`_share_cuda_`'s values) before any of them reaches
+    the CUDA driver, each naming its field; empty when nothing is."""
+    problems = []
+    if not _is_cuda_malloc_handle(memory_handle):
+        problems.append(f"memory_handle ({len(memory_handle)} bytes) is not a cudaMalloc block's IPC handle")
+    if (event_handle or event_sync_required) and len(event_handle) != IPC_HANDLE_SIZE:
+        problems.append(f"event_handle is {len(event_handle)} bytes, not {IPC_HANDLE_SIZE}")
+    if storage_offset_bytes >= 1 << 48:
+        problems.append(f"storage_offset_bytes {storage_offset_bytes} is out of range")
+    if not _REF_COUNTER_HANDLE.fullmatch(ref_counter_handle):
+        problems.append(f"ref_counter_handle {ref_counter_handle[:64]!r} is not a torch IPC counter file")
+    if not 0 <= ref_counter_offset < _REF_COUNTER_SLOTS:
+        problems.append(f"ref_counter_offset {ref_counter_offset} is out of range")
+    return problems
 
 
 def _is_cuda_malloc_handle(memory_handle: bytes) -> bool:
@@ -142,16 +151,34 @@ def _is_cuda_malloc_handle(memory_handle: bytes) -> bool:
             and memory_handle[1] == _SHAREABLE_CUDA_MALLOC)
 
 
+def share_storage(storage: torch.UntypedStorage) -> tuple[bytes, int, int, str, int, bytes, bool]:
+    """A CUDA storage's IPC values: (memory_handle, storage_size_bytes, storage_offset_bytes, ref_counter_handle,
+    ref_counter_offset, event_handle, event_sync_required). Raises RuntimeError where torch cannot share it."""
+    (_, memory_handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
+     event_sync) = storage._share_cuda_()
+    return (memory_handle, size_bytes, offset_bytes, ref_handle.decode() if isinstance(ref_handle, bytes)
+            else ref_handle, ref_offset, event_handle or b"", bool(event_sync))
+
+
+def open_storage(device: torch.device, memory_handle: bytes, storage_size_bytes: int, storage_offset_bytes: int,
+                 ref_counter_handle: str, ref_counter_offset: int, event_handle: bytes,
+                 event_sync_required: bool) -> torch.UntypedStorage:
+    """Map a peer's storage (its fields checked by `storage_problems` first). Raises RuntimeError if CUDA cannot."""
+    torch.cuda._lazy_init()
+    return torch.UntypedStorage._new_shared_cuda(
+        device.index if device.index is not None else torch.cuda.current_device(), memory_handle,
+        storage_size_bytes, storage_offset_bytes, ref_counter_handle.encode(), ref_counter_offset,
+        event_handle or None, event_sync_required)
+
+
 def open_pool(handle: PoolHandle, layout: KVLayout, device: torch.device) -> torch.Tensor:
     """The prefill side: map a peer's pool, [L, 2, num_blocks, B, Hkv, D] in the layout's dtype, after
     checking the handle. Raises PoolOpenError when it is malformed or cannot be opened."""
     check_pool_handle(handle, layout, device)
-    torch.cuda._lazy_init()
     try:
-        storage = torch.UntypedStorage._new_shared_cuda(
-            device.index if device.index is not None else torch.cuda.current_device(), handle.memory_handle,
-            handle.storage_size_bytes, handle.storage_offset_bytes, handle.ref_counter_handle.encode(),
-            handle.ref_counter_offset, handle.event_handle or None, handle.event_sync_required)
+        storage = open_storage(device, handle.memory_handle, handle.storage_size_bytes, handle.storage_offset_bytes,
+                               handle.ref_counter_handle, handle.ref_counter_offset, handle.event_handle,
+                               handle.event_sync_required)
     except RuntimeError as error:
         raise PoolOpenError(f"cuda-ipc: cannot open the peer's pool handle ({error})") from None
     dtype = getattr(torch, layout.dtype)

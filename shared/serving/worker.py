@@ -4,31 +4,49 @@ about itself (`Info`, its registry record, both with a summary of its prefix cac
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 import uuid
 import weakref
 
+import torch
+
 from tandem.common.config import EngineConfig
 from tandem.engine.compile_watch import CompileWatch
 from tandem.engine.engine import Engine
+from tandem.engine.quantization import weight_bytes
+from tandem.engine.runner import ModelRunner, select_ops
 from tandem.engine.spec_decode import SpeculativeConfig
 from tandem.serving import metrics
 from tandem.serving.async_engine import AsyncEngine
 from tandem.serving.kv_ipc import gpu_uuid, transports_of
 from tandem.serving.profiling import StepProfiler
 from tandem.serving.registry import CACHE_VIEW_INTERVAL_S, MAX_SUMMARY_BLOCKS, CacheSummary, WorkerRecord
+from tandem.serving.weight_ipc import map_weights
 from tandem.serving.wire import layout_to_proto
 from tandem.v1 import worker_pb2
 
+log = logging.getLogger(__name__)
 
-def start_engine(config: EngineConfig, role: str, speculative: SpeculativeConfig | None = None) -> AsyncEngine:
+
+def start_engine(config: EngineConfig, role: str, speculative: SpeculativeConfig | None = None,
+                 shared_weights: worker_pb2.WeightsResponse | None = None) -> AsyncEngine:
     """The worker's engine, warmed up (kernels compiled before the worker reports healthy), on its own thread; its
     pool and queue read by `/metrics` at scrape time. A Triton compile after warm-up is logged and counted
-    (`tandem_triton_compiles_total{phase="serving"}`): a request waited for it."""
+    (`tandem_triton_compiles_total{phase="serving"}`): a request waited for it. `shared_weights`: a peer's weights
+    to map instead of loading a copy (`tandem.serving.weight_ipc`)."""
     profiler = StepProfiler.from_env(role)  # a bad TANDEM_PROFILE_STEPS fails before the warm-up, not after
     watch = CompileWatch(lambda kernel: metrics.TRITON_COMPILES.labels("serving").inc())
-    core = Engine(config, speculative=speculative)
+    runner = None
+    if shared_weights is not None:
+        ops = select_ops(config)
+        model = map_weights(shared_weights, config.model, ops, getattr(torch, config.resolved_dtype),
+                            torch.device(config.device))
+        runner = ModelRunner(config, ops, model=model)
+        log.info("%s: mapped %d weight tensors of the worker beside it (%.2f GiB not loaded again)", role,
+                 len(shared_weights.tensors), weight_bytes(model) / 2**30)
+    core = Engine(config, runner, speculative=speculative)
     core.warm_up()
     metrics.TRITON_COMPILES.labels("startup").inc(watch.num_startup)
     watch.serving()

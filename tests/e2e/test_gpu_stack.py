@@ -1,4 +1,5 @@
-"""The stack on one GPU: prefill and decode processes sharing it, KV pages over cuda-ipc and over grpc."""
+"""The stack on one GPU: prefill and decode processes sharing it, KV pages over cuda-ipc and over grpc, the prefill
+worker with its own copy of the weights (the default) or the decode worker's mapped (`--share-weights`)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,14 @@ PROMPTS = [[1000 + (7 * i + 13 * j) % 30000 for j in range(n)] for i, n in enume
 LOCAL = "tandem_decode_local_prefill_tokens_total"
 
 
-def run_prompts(tmp_path: Path, transport: str) -> tuple[list[list[int]], float, float]:
+def run_prompts(tmp_path: Path, transport: str, *args: str) -> tuple[list[list[int]], float, float]:
     """Outputs (one at a time, so every run batches alike), and decode's transfer bytes and the prompt tokens it
     computed itself for any reason but a cached prompt's last block."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     for stack in start_stack(tmp_path, "--device", "cuda", "--kv-transport", transport, "--max-num-seqs", "64",
-                             model=MODEL):
+                             *args, model=MODEL):
+        prefill_log = Path(str(next(s for s in stack.services if s["role"] == "prefill")["log"])).read_text()
+        assert ("mapped" in prefill_log) == ("--share-weights" in args), prefill_log[-2000:]
         gateway = stack.address("gateway")
         outputs = [stream(gateway, token_request(p))[0] for p in PROMPTS]
         assert stack.metric("decode", LOCAL) == 0  # every prompt was prefilled by the prefill worker
@@ -54,3 +57,10 @@ def test_cuda_ipc_and_grpc_give_the_same_tokens(tmp_path: Path) -> None:
     assert ipc_local == 0 and grpc_local == 0  # no fallback, preemption or failed transfer
     assert ipc_bytes > 0 and grpc_bytes > 0
     assert ipc == grpc_out
+
+
+def test_prefill_with_mapped_weights_gives_what_its_own_copy_gives(tmp_path: Path) -> None:
+    shared, _, shared_local = run_prompts(tmp_path / "shared", "cuda-ipc", "--share-weights")
+    own, _, own_local = run_prompts(tmp_path / "own", "cuda-ipc")
+    assert shared_local == 0 and own_local == 0
+    assert shared == own

@@ -102,3 +102,18 @@ async def test_pickled_handle_of_the_old_api_runs_nothing(workers: tuple[Worker,
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "invalid pool handle" in (caught.value.details() or "")
     assert not marker.exists()
+
+
+async def test_a_cpu_decode_worker_refuses_to_share_its_weights_and_the_prefill_side_says_why(workers) -> None:  # noqa: ANN001
+    """`Decode.Weights` on a worker without a GPU: FAILED_PRECONDITION naming why, and a prefill worker asked to map
+    them (`fetch_weights`) fails with that, not a retry loop."""
+    from tandem.serving.weight_ipc import WeightsShareError, fetch_weights
+
+    _, decode = workers
+    async with make_channel(decode.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await worker_pb2_grpc.DecodeStub(channel).Weights(worker_pb2.WeightsRequest(), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "needs a GPU" in (caught.value.details() or "")
+        with pytest.raises(WeightsShareError, match="FAILED_PRECONDITION.*needs a GPU"):
+            await fetch_weights(channel, timeout_s=10)

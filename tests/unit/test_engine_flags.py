@@ -121,3 +121,42 @@ def test_tandem_up_on_one_gpu_gives_prefill_the_served_step_budget(tmp_path: Pat
     assert SHARED_GPU_PREFILL_BATCHED_TOKENS == 2048
     assert budgets(device="cuda", max_num_batched_tokens=4096) == {"prefill": ["4096"], "decode": ["4096"]}
     assert budgets(device="cpu") == {"prefill": [], "decode": []}  # the CPU's own default (256) for both
+
+
+def test_prefill_workers_sharing_weights_map_the_first_decode_workers_and_need_no_room_for_them(
+        tmp_path: Path, monkeypatch: MonkeyPatch) -> None:
+    monkeypatch.setattr(launcher, "gpu_total_bytes", lambda: 80 << 30)  # an H100
+    model = load_model_config("dummy:llama-3.1-8b", fetch=False)
+    kv_per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim * 2
+    own = launcher.gpu_memory_shares(model, 80 << 30, 2, 1, 2048, kv_per_token)
+    mapped = launcher.gpu_memory_shares(model, 80 << 30, 2, 1, 2048, kv_per_token, shared_weights=True)
+    weights = launcher.weight_bytes_estimate(model, None)
+    rest = launcher.PREFILL_POOL_STEPS * 2048 * kv_per_token + launcher.PREFILL_WORKSPACE_BYTES
+    even = launcher.GPU_MEMORY_FRACTION_SHARED / 3
+    assert abs(own[0] - min(even, (weights + rest) / (80 << 30))) < 2e-3  # on 80 GB: capped at an even share
+    assert abs(mapped[0] - rest / (80 << 30)) < 2e-3  # its pool and workspace, no weights
+    assert abs(mapped[1] - (launcher.GPU_MEMORY_FRACTION_SHARED - 2 * mapped[0])) < 2e-3
+    assert mapped[1] > own[1] + 0.3  # decode gets what the two copies took (~24 GB more on this card)
+
+    def weights_from(**options: Any) -> dict[str, list[str]]:
+        stack = Stack(StackOptions(model="dummy:llama-3.1-8b", log_dir=tmp_path, num_prefill=2, num_decode=2,
+                                   **options))
+        stack._plan()
+        decode = [s.grpc for s in stack.services if s.role == "decode"]
+        found: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for service in stack.services:
+            if service.role != "gateway":
+                found[service.role] += [service.command[i + 1] for i, flag in enumerate(service.command)
+                                        if flag == "--weights-from"]
+        assert all(address == decode[0] for addresses in found.values() for address in addresses)
+        return found
+
+    shared = weights_from(device="cuda", share_weights=True)
+    assert len(shared["prefill"]) == 2 and shared["decode"] == []  # each prefill worker, the first decode worker's
+    # Not by default, not on the CPU, not with a fraction given for every worker (it assumes each its own weights).
+    for options in ({"device": "cuda"}, {"device": "cpu", "share_weights": True},
+                    {"device": "cuda", "share_weights": True, "gpu_memory_fraction": 0.3}):
+        assert weights_from(**options) == {"prefill": [], "decode": []}, options
+    # `tandem up --share-weights` reaches the options.
+    monkeypatch.setattr(Stack, "run", lambda self, **kw: print(self.options.share_weights) or 0)
+    assert CliRunner().invoke(app, ["up", "--model", "dummy:tiny", "--share-weights"]).output.strip() == "True"
