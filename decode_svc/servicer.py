@@ -25,7 +25,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         self.model_name = model_name
         self.runner = runner
         self.sessions = Sessions(runner)
-        self._weights: worker_pb2.WeightsResponse | None = None
 
     async def Generate(self, request: worker_pb2.DecodeRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeResponse]:
@@ -50,12 +49,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
 
     async def Weights(self, request: worker_pb2.WeightsRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.WeightsResponse:
-        """This worker's weights as IPC handles, for a prefill worker on its GPU (made once: the weights never
-        move)."""
-        if self._weights is None:
-            runner = self.engine.engine.runner
-            self._weights = export_weights(runner.model, self.engine.engine.config.model, runner.dtype)
-        return self._weights
+        """This worker's weights as IPC handles, for a prefill worker on its GPU (made for each asker: torch counts
+        each share)."""
+        runner = self.engine.engine.runner
+        return export_weights(runner.model, self.engine.engine.config.model, runner.dtype)
 
     def drain(self) -> None:
         self.sessions.drain()

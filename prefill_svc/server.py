@@ -32,7 +32,8 @@ async def serve(service: ServiceOptions, config: EngineConfig, model_name: str, 
         shared_weights = await fetch_weights(channels.get(weights_from))
     engine = start_engine(config, "prefill", shared_weights=shared_weights)
     if weights_from is not None:
-        watching = asyncio.create_task(watch_owner(channels.get(weights_from)))
+        assert shared_weights is not None
+        watching = asyncio.create_task(watch_owner(channels.get(weights_from), shared_weights.owner_pid))
     servicer = PrefillServicer(engine, model_name)
     worker_id = new_worker_id("prefill")
 

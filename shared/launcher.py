@@ -415,18 +415,22 @@ class Stack:
 
     def stop(self, grace_s: float = 20.0) -> None:
         self._stopping = True
-        for service in self.services:
-            if service.process is not None and service.process.poll() is None:
-                service.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for service in self.services:
-            if service.process is None:
-                continue
-            try:
-                service.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                service.process.kill()
-                service.process.wait()
+        # Prefill workers that map a decode worker's weights must end before it does (its memory is theirs).
+        phases = ([[s for s in self.services if s.role != "decode"], [s for s in self.services if s.role == "decode"]]
+                  if self.options.shares_weights else [self.services])
+        for phase in phases:
+            for service in phase:
+                if service.process is not None and service.process.poll() is None:
+                    service.process.send_signal(signal.SIGTERM)
+            for service in phase:
+                if service.process is None:
+                    continue
+                try:
+                    service.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    service.process.kill()
+                    service.process.wait()
         if self.mps is not None:
             self.mps.stop()
 

@@ -6,14 +6,18 @@ against 128 allowed: `benchmarks/results/README.md`, 2026-12-07 sixth session). 
 ADDRESS` a prefill worker asks that decode worker for its weights' IPC handles (`Decode.Weights`), builds its model's
 structure on the meta device (quantized projections included: `quantize_linears` runs on meta tensors) and puts a
 mapping of the owner's tensor in place of every parameter and buffer, checked one by one against the structure
-(names, dtypes, shapes, strides, and that each view lies inside its allocation). Nothing is copied; the prefill
-worker's own memory is its activations and its small pool.
+(names, dtypes, shapes, the structure's own strides, the view inside the storage the owner names, the storage
+512-byte aligned as the CUDA allocator places blocks). Nothing is copied; the prefill worker's own memory is its
+activations and its small pool. What is not checked (nothing from Python can read a CUDA allocation's extent) is that
+the named storage lies inside the IPC allocation: like a KV pool's handle, the answer is trusted that far, and comes
+only from a peer the internal token or mutual TLS admits (docs/security.md).
 
 The weights are read-only after load in every role, so sharing needs no synchronization beyond the owner's event in
 the handle (torch records one after the storage was last written). A mapped allocation is valid while its owner
 lives: a prefill worker that maps a decode worker's weights shares its fate, as workers started together by `tandem
-up` on one GPU do (it passes `--weights-from` only there). The prefill worker checks its owner is alive and stops
-serving if it is gone (`watch_owner`).
+up` on one GPU do (it passes `--weights-from` only there, and stops prefill workers before decode workers). The
+prefill worker watches its owner's process (or, where its pid is not visible, its health) and exits at once when it is
+gone (`watch_owner`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# torch's CUDA caching allocator places every block at a multiple of this inside its segment.
+ALLOCATION_ALIGNMENT = 512
 # The dtypes a shared tensor may have (a model's weights, norms, quantized codes and scales).
 _DTYPES = {name: getattr(torch, name) for name in ("bfloat16", "float16", "float32", "int8", "float8_e4m3fn")}
 
@@ -68,13 +74,15 @@ def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def export_weights(model: nn.Module, config: ModelConfig, dtype: torch.dtype) -> worker_pb2.WeightsResponse:
-    """The owner's side: `model`'s tensors as IPC handles (made once per storage). Raises WeightsShareError where
-    they cannot be shared: not on a GPU, or in memory torch cannot export (expandable segments)."""
+    """The owner's side: `model`'s tensors as IPC handles (one per storage, made anew for every asker: each share
+    has its own count in torch's IPC reference counters). Raises WeightsShareError where they cannot be shared: not
+    on a GPU, or in memory whose handle a mapper would refuse (expandable segments: `storage_problems`)."""
     tensors = named_tensors(model)
     device = tensors[0][1].device
     if device.type != "cuda":
         raise WeightsShareError(f"weights on {device} cannot be shared (CUDA IPC needs a GPU)")
-    response = worker_pb2.WeightsResponse(gpu_uuid=gpu_uuid(device), fingerprint=weights_fingerprint(config, dtype))
+    response = worker_pb2.WeightsResponse(gpu_uuid=gpu_uuid(device), fingerprint=weights_fingerprint(config, dtype),
+                                          owner_pid=os.getpid())
     storages: dict[int, worker_pb2.CudaIpcStorage] = {}
     for name, tensor in tensors:
         key = tensor.untyped_storage().data_ptr()
@@ -85,6 +93,10 @@ def export_weights(model: nn.Module, config: ModelConfig, dtype: torch.dtype) ->
                  event_sync) = share_storage(tensor.untyped_storage())
             except RuntimeError as error:
                 raise WeightsShareError(f"cannot share {name} by CUDA IPC ({error})") from None
+            if problems := storage_problems(memory_handle, offset_bytes, ref_handle, ref_offset, event_handle,
+                                            event_sync):
+                raise WeightsShareError(f"cannot share {name} by CUDA IPC ({'; '.join(problems)}; expandable "
+                                        "segments in PYTORCH_CUDA_ALLOC_CONF give handles a peer cannot open)")
             storage = storages[key] = worker_pb2.CudaIpcStorage(
                 memory_handle=memory_handle, storage_size_bytes=size_bytes, storage_offset_bytes=offset_bytes,
                 ref_counter_handle=ref_handle, ref_counter_offset=ref_offset, event_handle=event_handle,
@@ -140,13 +152,13 @@ def map_weights(response: worker_pb2.WeightsResponse, config: ModelConfig, ops: 
     for name in expected:
         shared = given[name]
         key = (shared.storage.memory_handle, shared.storage.storage_offset_bytes)
-        if key not in opened:
-            try:
+        try:
+            if key not in opened:
                 opened[key] = open_one(shared.storage)
-            except RuntimeError as error:
-                raise WeightsShareError(f"cannot map {name} ({error})") from None
-        tensor = torch.empty(0, dtype=_DTYPES[shared.dtype], device=opened[key].device)
-        tensor.set_(opened[key], shared.storage_offset, tuple(shared.shape), tuple(shared.stride))  # type: ignore[call-overload]
+            tensor = torch.empty(0, dtype=_DTYPES[shared.dtype], device=opened[key].device)
+            tensor.set_(opened[key], shared.storage_offset, tuple(shared.shape), tuple(shared.stride))  # type: ignore[call-overload]
+        except (RuntimeError, TypeError, ValueError) as error:
+            raise WeightsShareError(f"cannot map {name} ({type(error).__name__}: {error})") from None
         _put(model, name, tensor)
     return model.eval().requires_grad_(False)
 
@@ -157,12 +169,15 @@ def _tensor_problems(shared: worker_pb2.SharedTensor, expected: torch.Tensor) ->
         return [f"{name}: dtype {shared.dtype!r}, expected {str(expected.dtype).removeprefix('torch.')}"]
     if tuple(shared.shape) != tuple(expected.shape):
         return [f"{name}: shape {list(shared.shape)}, expected {list(expected.shape)}"]
-    if len(shared.stride) != len(shared.shape):
-        return [f"{name}: {len(shared.stride)} strides for {len(shared.shape)} dimensions"]
+    if tuple(shared.stride) != tuple(expected.stride()):  # the owner built the same structure: the same layout
+        return [f"{name}: stride {list(shared.stride)}, expected {list(expected.stride())}"]
     storage = shared.storage
     problems = [f"{name}: {p}" for p in storage_problems(
         storage.memory_handle, storage.storage_offset_bytes, storage.ref_counter_handle, storage.ref_counter_offset,
         storage.event_handle, storage.event_sync_required)]
+    if storage.storage_offset_bytes % ALLOCATION_ALIGNMENT:
+        problems.append(f"{name}: storage_offset_bytes {storage.storage_offset_bytes} is not a multiple of "
+                        f"{ALLOCATION_ALIGNMENT}")
     # The view must lie inside its storage: its last element's offset, in bytes, below the storage's size.
     last = shared.storage_offset + sum((n - 1) * s for n, s in zip(shared.shape, shared.stride, strict=True))
     size = expected.element_size()
@@ -200,21 +215,48 @@ async def fetch_weights(channel: grpc.aio.Channel, timeout_s: float = OWNER_STAR
         await asyncio.sleep(0.5)
 
 
-async def watch_owner(channel: grpc.aio.Channel, interval_s: float = 1.0, failures: int = 3) -> None:
-    """Until the owner of the mapped weights stops answering (`failures` health checks in a row): then this process
-    exits at once (no drain: its weights may no longer be valid memory, and nothing it computed could be trusted)."""
+async def watch_owner(channel: grpc.aio.Channel, owner_pid: int = 0, interval_s: float = 0.5,
+                      health_timeout_s: float = 5.0, failures: int = 3) -> None:
+    """Until the owner of the mapped weights is gone; then this process exits at once (no drain: its weights may no
+    longer be valid memory, and nothing it computed could be trusted). Where the owner's process is visible
+    (`owner_pid` in this host's /proc: the same pid namespace) its end, or its becoming a zombie, is what counts;
+    elsewhere `failures` health checks in a row that find nobody answering (UNAVAILABLE, or no answer in
+    `health_timeout_s`: a busy owner is not a dead one)."""
+    import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    if owner_pid and (identity := _process_start(owner_pid)) is not None:
+        while _process_start(owner_pid) == identity:
+            await asyncio.sleep(interval_s)
+        _owner_gone()
     stub = health_pb2_grpc.HealthStub(channel)
     missed = 0
     while True:
         await asyncio.sleep(interval_s)
         try:
-            await stub.Check(health_pb2.HealthCheckRequest(), timeout=interval_s)
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=health_timeout_s)
             missed = 0
-        except Exception:  # noqa: BLE001 (any failure to answer counts)
+        except grpc.aio.AioRpcError as error:
+            if error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                missed = 0
+                continue
             missed += 1
             if missed >= failures:
-                log.error("the worker whose weights this one maps stopped answering: exiting")
-                logging.shutdown()
-                os._exit(OWNER_GONE_EXIT_CODE)
+                _owner_gone()
+
+
+def _process_start(pid: int) -> int | None:
+    """The start time of a live process `pid` (from /proc: a pid reused by another process has another), or None
+    when it is gone, a zombie, or not visible here."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _owner_gone() -> None:
+    log.error("the worker whose weights this one maps is gone: exiting")
+    logging.shutdown()
+    os._exit(OWNER_GONE_EXIT_CODE)

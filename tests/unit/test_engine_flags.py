@@ -160,3 +160,39 @@ def test_prefill_workers_sharing_weights_map_the_first_decode_workers_and_need_n
     # `tandem up --share-weights` reaches the options.
     monkeypatch.setattr(Stack, "run", lambda self, **kw: print(self.options.share_weights) or 0)
     assert CliRunner().invoke(app, ["up", "--model", "dummy:tiny", "--share-weights"]).output.strip() == "True"
+
+
+def test_with_shared_weights_tandem_up_stops_decode_workers_only_after_the_rest(
+        tmp_path: Path, monkeypatch: MonkeyPatch) -> None:
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setattr(launcher, "gpu_total_bytes", lambda: 80 << 30)
+    # Each stand-in service notes when SIGTERM reached it, takes 0.3 s to drain, notes its exit.
+    script = ("import signal, sys, time\n"
+              "def stop(*_):\n"
+              "    open(sys.argv[1], 'a').write(f'term {time.monotonic()}\\n'); time.sleep(0.3)\n"
+              "    open(sys.argv[1], 'a').write(f'exit {time.monotonic()}\\n'); sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "open(sys.argv[1], 'a').write('up\\n')\n"
+              "time.sleep(60)\n")
+    for share in (True, False):
+        stack = Stack(StackOptions(model="dummy:llama-3.1-8b", device="cuda", num_prefill=2, log_dir=tmp_path,
+                                   share_weights=share, gpu_split=GpuSplit(100, 100)))
+        stack._plan()
+        stack.mps = None
+        notes = {}
+        for i, service in enumerate(stack.services):
+            notes[i] = tmp_path / f"{share}-{service.role}-{i}.txt"
+            service.process = subprocess.Popen([sys.executable, "-c", script, str(notes[i])])
+        for path in notes.values():
+            while not path.exists():
+                time.sleep(0.01)
+        stack.stop()
+        times = {i: dict(line.split() for line in path.read_text().splitlines() if " " in line)
+                 for i, path in notes.items()}
+        roles = {i: s.role for i, s in enumerate(stack.services)}
+        last_other_exit = max(float(t["exit"]) for i, t in times.items() if roles[i] != "decode")
+        first_decode_term = min(float(t["term"]) for i, t in times.items() if roles[i] == "decode")
+        assert (first_decode_term >= last_other_exit) == share, share

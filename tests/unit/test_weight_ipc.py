@@ -1,7 +1,7 @@
 """Weights mapped from a peer (`tandem.serving.weight_ipc`): the mapped model is the owner's tensors, nothing copied,
 and gives the owner's logits; every malformed or foreign description is refused before anything is mapped, each
-problem named. On the CPU the storages are "opened" from a table of the owner's (CUDA IPC itself needs a GPU:
-tests/services/test_shared_weights_gpu.py)."""
+problem named; a mapper exits when its owner's process ends. On the CPU the storages are "opened" as slices of one
+stand-in segment holding the owner's (CUDA IPC itself needs a GPU: tests/e2e/test_gpu_stack.py)."""
 
 from __future__ import annotations
 
@@ -36,40 +36,65 @@ def owner(config: ModelConfig, dtype: torch.dtype = torch.float32) -> LlamaForCa
     return model.eval().requires_grad_(False)
 
 
+SEGMENT = bytes([3, ord("c")]) + bytes(64)  # one stand-in cudaMalloc segment holds every tensor, as on a GPU
+
+
 def describe(model: LlamaForCausalLM, config: ModelConfig, dtype: torch.dtype
-             ) -> tuple[worker_pb2.WeightsResponse, dict[bytes, torch.UntypedStorage]]:
-    """What `export_weights` answers on a GPU, for CPU tensors: each storage gets a well-formed stand-in handle, and
-    the table the test's opener maps handles back with."""
+             ) -> tuple[worker_pb2.WeightsResponse, torch.UntypedStorage]:
+    """What `export_weights` answers on a GPU, for CPU tensors: the owner's storages are moved into one "segment" at
+    512-byte aligned offsets (the owner's tensors then live there), each named by that segment's stand-in handle and
+    its offset; returns the segment the test's opener maps them from."""
+    tensors = named_tensors(model)
+    storages: dict[int, torch.UntypedStorage] = {}
+    for _, tensor in tensors:
+        storages.setdefault(tensor.untyped_storage().data_ptr(), tensor.untyped_storage())
+    offsets, end = {}, 0
+    for key, storage in storages.items():
+        offsets[key] = end
+        end += -(-storage.nbytes() // 512) * 512
+    segment = torch.zeros(end, dtype=torch.uint8).untyped_storage()
+    for key, storage in storages.items():
+        segment[offsets[key]:offsets[key] + storage.nbytes()].copy_(storage)
     response = worker_pb2.WeightsResponse(gpu_uuid="", fingerprint=weights_fingerprint(config, dtype))
-    table: dict[bytes, torch.UntypedStorage] = {}
-    handles: dict[int, bytes] = {}
-    for name, tensor in named_tensors(model):
-        storage = tensor.untyped_storage()
-        handle = handles.setdefault(storage.data_ptr(), bytes([3, ord("c")]) + len(handles).to_bytes(64, "little"))
-        table[handle] = storage
+    for name, tensor in tensors:
+        key = tensor.untyped_storage().data_ptr()
+        size = storages[key].nbytes()
         response.tensors.add(
             name=name, dtype=str(tensor.dtype).removeprefix("torch."), shape=tensor.shape, stride=tensor.stride(),
             storage_offset=tensor.storage_offset(),
-            storage=worker_pb2.CudaIpcStorage(memory_handle=handle, storage_size_bytes=storage.nbytes(),
-                                              ref_counter_handle="/torch_1_2_3", ref_counter_offset=0))
-    return response, table
+            storage=worker_pb2.CudaIpcStorage(memory_handle=SEGMENT, storage_size_bytes=size,
+                                              storage_offset_bytes=offsets[key], ref_counter_handle="/torch_1_2_3",
+                                              ref_counter_offset=0))
+    keys = {id(tensor): tensor.untyped_storage().data_ptr() for _, tensor in tensors}
+    for tensor in {id(t): t for _, t in tensors}.values():  # the owner now uses the segment's copy (tied: once)
+        key = keys[id(tensor)]
+        with torch.no_grad():
+            tensor.set_(segment[offsets[key]:offsets[key] + storages[key].nbytes()], tensor.storage_offset(),
+                        tensor.shape, tensor.stride())
+    return response, segment
 
 
-def opener(table: dict[bytes, torch.UntypedStorage]):  # noqa: ANN201
-    return lambda storage: table[storage.memory_handle]
+def opener(segment: torch.UntypedStorage):  # noqa: ANN201
+    """Maps a storage as `_new_shared_cuda` does: the segment's bytes from the storage's offset, of its size."""
+    def open_one(storage: worker_pb2.CudaIpcStorage) -> torch.UntypedStorage:
+        assert storage.memory_handle == SEGMENT
+        return segment[storage.storage_offset_bytes:storage.storage_offset_bytes + storage.storage_size_bytes]
+    return open_one
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_the_mapped_model_is_the_owners_tensors_and_gives_its_logits(quantization: str | None) -> None:
     config = dataclasses.replace(load_model_config("dummy:tiny", fetch=False), quantization=quantization)
     source = owner(config)
-    response, table = describe(source, config, torch.float32)
-    mapped = map_weights(response, config, OPS, torch.float32, torch.device("cpu"), opener(table))
+    reference = {name: tensor.clone() for name, tensor in named_tensors(source)}
+    response, segment = describe(source, config, torch.float32)
+    mapped = map_weights(response, config, OPS, torch.float32, torch.device("cpu"), opener(segment))
     theirs = dict(named_tensors(source))
     mine = dict(named_tensors(mapped))
     assert mine.keys() == theirs.keys()
     for name, tensor in mine.items():
         assert tensor.data_ptr() == theirs[name].data_ptr(), name  # the same memory: nothing copied
+        assert torch.equal(tensor, reference[name]), name  # the owner's values, found at their offsets
         assert tensor.dtype == theirs[name].dtype and tensor.shape == theirs[name].shape
     if config.tie_word_embeddings:
         assert mapped.lm_head.weight is mapped.model.embed_tokens.weight or \
@@ -92,13 +117,13 @@ def generate(engine: Engine) -> tuple[list[int], list[float]]:
 def test_a_foreign_or_malformed_description_is_refused_naming_each_problem() -> None:
     config = load_model_config("dummy:tiny", fetch=False)
     source = owner(config)
-    good, table = describe(source, config, torch.float32)
+    good, segment = describe(source, config, torch.float32)
     cpu = torch.device("cpu")
 
     def refused(response: worker_pb2.WeightsResponse, *, dtype: torch.dtype = torch.float32,
                 model: ModelConfig = config) -> str:
         with pytest.raises(WeightsShareError) as error:
-            map_weights(response, model, OPS, dtype, cpu, opener(table))
+            map_weights(response, model, OPS, dtype, cpu, opener(segment))
         return str(error.value)
 
     other = dataclasses.replace(config, dummy_seed=1)
@@ -118,7 +143,9 @@ def test_a_foreign_or_malformed_description_is_refused_naming_each_problem() -> 
     assert "past its storage" in refused(changed(lambda t: setattr(t, "storage_offset", 10**6)))
     assert "memory_handle" in refused(changed(lambda t: setattr(t.storage, "memory_handle", b"x" * 10)))
     assert "ref_counter_handle" in refused(changed(lambda t: setattr(t.storage, "ref_counter_handle", "/etc/passwd")))
-    assert "strides" in refused(changed(lambda t: t.stride.append(1)))
+    assert f"{first}: stride" in refused(changed(lambda t: t.stride.append(1)))
+    assert f"{first}: stride" in refused(changed(lambda t: t.stride.__setitem__(0, 0)))  # a broadcast view
+    assert "not a multiple of 512" in refused(changed(lambda t: setattr(t.storage, "storage_offset_bytes", 8)))
     missing = worker_pb2.WeightsResponse()
     missing.CopyFrom(good)
     del missing.tensors[0]
@@ -139,3 +166,27 @@ def test_weights_on_the_cpu_cannot_be_exported() -> None:
     config = load_model_config("dummy:tiny", fetch=False)
     with pytest.raises(WeightsShareError, match="needs a GPU"):
         export_weights(owner(config), config, torch.float32)
+
+
+def test_a_mapper_exits_when_the_owners_process_ends() -> None:
+    """`watch_owner` with the owner's pid: the watcher's process ends with OWNER_GONE_EXIT_CODE soon after the owner's
+    (run in a child process: the watcher exits the process it runs in)."""
+    import subprocess
+    import sys
+    import time
+
+    from tandem.serving.weight_ipc import OWNER_GONE_EXIT_CODE
+
+    owner_process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    watcher = subprocess.Popen([sys.executable, "-c", f"""
+import asyncio
+from tandem.serving.rpc import make_channel
+from tandem.serving.weight_ipc import watch_owner
+async def main():
+    await watch_owner(make_channel("127.0.0.1:1"), {owner_process.pid}, interval_s=0.05)
+asyncio.run(main())
+"""])
+    started = time.monotonic()
+    assert watcher.wait(timeout=30) == OWNER_GONE_EXIT_CODE
+    assert owner_process.wait(timeout=5) == 0
+    assert time.monotonic() - started >= 1.0  # it waited for the owner, not for nothing
