@@ -170,6 +170,66 @@ def _fp8_quantize_rows_kernel(
         tl.store(q_ptr + row * stride_qm + k + offs, _e4m3_bits(y), mask=mask)
 
 
+@triton.jit
+def _silu_mul_quantize_rows_kernel(
+    x_ptr, q_ptr, scales_ptr,
+    K, stride_xm, stride_qm, min_amax,
+    FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
+    # One program per row of gate_up [M, 2K]: silu(gate) * up made (rounded to the activations' dtype, as
+    # `silu_and_mul` stores it), its absmax, then made again from L2 and quantized: `silu_and_mul` followed by
+    # `_fp8_quantize_rows_kernel`, bit for bit, without writing the [M, K] activation and reading it back.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    gate_row = x_ptr + row * stride_xm
+    up_row = gate_row + K
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        mask = (k + offs) < K
+        gate = tl.load(gate_row + k + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(up_row + k + offs, mask=mask, other=0.0).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(y))
+    scale = tl.maximum(tl.max(amax, axis=0), min_amax) * INV_FP8_MAX
+    tl.store(scales_ptr + row, scale)
+    scale_vec = tl.zeros([BLOCK_K], dtype=tl.float32) + scale
+    for k in range(0, K, BLOCK_K):
+        mask = (k + offs) < K
+        gate = tl.load(gate_row + k + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(up_row + k + offs, mask=mask, other=0.0).to(tl.float32)
+        silu = (gate * tl.sigmoid(gate)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(y, scale_vec), -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * stride_qm + k + offs, _e4m3_bits(y), mask=mask)
+
+
+def silu_and_mul_quantize_fp8_triton(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU's activation of gate_up [M, 2K] (gate | up), quantized per token for the fp8 GEMM, in one launch:
+    (qx float8_e4m3fn [M, K], scales float32 [M]), bit for bit `quantize_fp8_activation(silu_and_mul(gate_up))`."""
+    op = "silu_and_mul_quantize_fp8"
+    check_launchable(op, gate_up)
+    check_last_dim_contiguous(op, gate_up=gate_up)
+    if gate_up.dim() != 2 or gate_up.dtype not in ACTIVATION_DTYPES or gate_up.shape[1] % 2:
+        raise ValueError(f"{op}: gate_up must be a 2-D float32/bf16/fp16 [M, 2K], got {gate_up.dtype} "
+                         f"{tuple(gate_up.shape)}")
+    m, k = gate_up.shape[0], gate_up.shape[1] // 2
+    qx = torch.empty((m, k), dtype=FP8_DTYPE, device=gate_up.device)
+    scales = torch.empty((m,), dtype=torch.float32, device=gate_up.device)
+    if m == 0:
+        return qx, scales
+    block_k = min(1024, max(triton.next_power_of_2(k), 16))
+    pdl = use_pdl(gate_up.device)
+    _silu_mul_quantize_rows_kernel[(m,)](
+        gate_up, qx.view(torch.uint8), scales, k, gate_up.stride(0), k, MIN_AMAX,
+        FP8_MAX=FP8_MAX, INV_FP8_MAX=_INV_FP8_MAX, BLOCK_K=block_k,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=8 if block_k >= 1024 else 4,
+    )
+    return qx, scales
+
+
 def quantize_fp8_activation_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Same result as `quantize_fp8_activation` (bit for bit), in one kernel launch instead of ~6
     torch ops that each pass over x: x [M, K] -> (qx float8_e4m3fn [M, K], scales float32 [M])."""
@@ -258,15 +318,33 @@ def fp8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, w_scales: torch.Te
                          f"{torch.cuda.get_device_capability(x.device)} on {x.device}")
     m, k = x.shape
     n = qweight.shape[0]
-    out = x.new_empty((m, n))
+    if m == 0 or n == 0:
+        return x.new_empty((m, n))
+    qx, x_scales = quantize_fp8_activation_triton(x)
+    return fp8_gemm_triton(qx, x_scales, qweight, w_scales, bias, x.dtype,
+                           config=config if isinstance(config, Fp8LinearConfig) else None)
+
+
+def fp8_gemm_triton(qx: torch.Tensor, x_scales: torch.Tensor, qweight: torch.Tensor, w_scales: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype, *,
+                    config: Fp8LinearConfig | None = None) -> torch.Tensor:
+    """The W8A8 GEMM of activations already quantized per token: qx float8_e4m3fn [M, K] with x_scales float32 [M],
+    qweight [N, K] with w_scales [N] -> [M, N] in `out_dtype` (what `fp8_linear_triton` runs after its
+    quantization, for callers that made qx themselves: `silu_and_mul_quantize_fp8_triton`)."""
+    m, k = qx.shape
+    n = qweight.shape[0]
+    if qx.dtype != FP8_DTYPE or x_scales.shape != (m,) or x_scales.dtype != torch.float32 or qweight.shape[1] != k:
+        raise ValueError(f"fp8_gemm: qx must be float8_e4m3fn [M, K] with float32 x_scales [M] and qweight [N, K], "
+                         f"got {qx.dtype} {tuple(qx.shape)}, {x_scales.dtype} {tuple(x_scales.shape)}, "
+                         f"{tuple(qweight.shape)}")
+    out = torch.empty((m, n), dtype=out_dtype, device=qx.device)
     if m == 0 or n == 0:
         return out
-    qx, x_scales = quantize_fp8_activation_triton(x)
-    cfg = config if isinstance(config, Fp8LinearConfig) else fp8_launch_config(m, n, k, num_sms(x.device))
+    cfg = config or fp8_launch_config(m, n, k, num_sms(qx.device))
     if cfg.max_imprecise_acc is not None and not 0 <= cfg.max_imprecise_acc <= cfg.block_k:
         raise ValueError(f"fp8_linear: config {cfg} invalid (max_imprecise_acc must lie in [0, block_k])")
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    pdl = use_pdl(x.device)
+    pdl = use_pdl(qx.device)
     _fp8_linear_kernel[grid](
         qx, qweight, x_scales, w_scales.contiguous(), bias if bias is not None else w_scales, out,
         m, n, k, qx.stride(0), qweight.stride(0), out.stride(0),

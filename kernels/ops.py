@@ -18,6 +18,11 @@ decode-latency --fusions ...`); the model's code does not change with them:
     silu_linear   SwiGLU's activation inside the down projection's launch, where the projection can take it: a
                   quantized layer's small-M GEMV at one token (`QuantizedLinear.silu_forward`; each program makes
                   its own K slice of silu(gate) * up, no full-row pass). Opt-in until measured on a GPU
+    silu_quant    SwiGLU's activation and the per-token fp8 quantization of the down projection's input in one
+                  kernel, for an fp8 layer's W8A8 GEMM (prompt steps: above the small-M limit;
+                  `QuantizedLinear.silu_quant_forward`, `silu_and_mul_quantize_fp8_triton`): the [T, I] activation
+                  is never written in bf16 and read back. Bit for bit the unfused result. Opt-in until measured on a
+                  GPU (#18's fp8 prefill)
 
 `get_ops("triton", fusions)` takes "all" (rope_store and add_norm: the default), "none", or names joined by "," or
 "+" ("all+attn_combine"); without `fusions`, from $TANDEM_FUSIONS (the same syntax), which reaches every engine a
@@ -46,7 +51,7 @@ from tandem.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 from tandem.kernels.store_kv import store_kv_ref, store_kv_triton
 
 FUSIONS = ("rope_store", "add_norm")  # "all", in this order
-OPT_IN_FUSIONS = ("attn_combine", "norm_linear", "silu_linear")  # only when named
+OPT_IN_FUSIONS = ("attn_combine", "norm_linear", "silu_linear", "silu_quant")  # only when named
 FUSIONS_ENV = "TANDEM_FUSIONS"
 
 

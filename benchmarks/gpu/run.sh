@@ -93,7 +93,8 @@
 #   share14  #14: prefill workers mapping the decode worker's weights (one copy per GPU): the GPU stack test of it, then
 #            two prefill workers at 85% of the SMs at 2-48 req/s (their pools recorded), ~8 min
 #   prof18   #18: where fp8's prefill falls short of 2x bf16 (offline 1.41x, target 1.5x): the GPU kernels of one
-#            4,096-token prompt step and of a 256-sequence decode step, bf16 / fp8 / fp8 + fp8 KV, ~4 min
+#            4,096-token prompt step and of a 256-sequence decode step, bf16 / fp8 / fp8 + fp8 KV; the silu_quant
+#            fusion's GPU tests and its offline A/B (fp8 + fp8 KV), ~7 min
 #   kv18     #18: the fp8 KV cache's decode attention tiles swept (fp16 dots), the best against the default through
 #            the 8B step and offline, the 1,000/1,000 run with it, ~9 min
 #   gemv18   #18: the M = 1 GEMV swept (split-K targets, CUDA-core tiles and warps), int8 and fp8, ~3 min
@@ -1375,6 +1376,13 @@ suite_prof18() {
         step "prof18-$variant" 170 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" "${args[@]}" \
             --prompt-tokens "0,$(n 4096 64)" --decodes "0,$(n 256 4)" --context "$(n 1024 32)" --repeat "$(n 5 1)" \
             --profile --out "$OUT/step-cost-$variant.json"
+    done
+    step silu-quant-tests 150 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_quant_linear.py \
+        tests/kernels/test_norm_linear_model.py -k "silu_quant or silu_quantize"
+    local fusions
+    for fusions in all all+silu_quant; do
+        step "offline-$fusions" 150 env TANDEM_FUSIONS=$fusions $TI $PY -m tandem.benchmarks.quant offline $DRY \
+            --model "$BIG" --variants fp8+fp8kv --out "$OUT/offline-$fusions"
     done
 }
 

@@ -126,10 +126,15 @@ class LlamaMLP(nn.Module):
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The rest of the MLP from `gate_up_proj`'s output. With the silu_linear fusion, a projection that can take
-        the activation into its own launch does (`QuantizedLinear.silu_forward`: one token)."""
-        fused = getattr(self.down_proj, "silu_forward", None) if "silu_linear" in self.ops.fusions else None
-        out = fused(gate_up) if fused is not None else None
-        return out if out is not None else self.down_proj(self.ops.silu_and_mul(gate_up))
+        the activation into its own launch does (`QuantizedLinear.silu_forward`: one token); with silu_quant, an fp8
+        projection's prompt rows get the activation made and quantized in one kernel (`silu_quant_forward`)."""
+        fusions = self.ops.fusions
+        for fusion, method in (("silu_linear", "silu_forward"), ("silu_quant", "silu_quant_forward")):
+            fused = getattr(self.down_proj, method, None) if fusion in fusions else None
+            out = fused(gate_up) if fused is not None else None
+            if out is not None:
+                return out
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -31,6 +31,7 @@ from torch import nn
 
 from tandem.common.config import ConfigError
 from tandem.engine.model import LlamaForCausalLM
+from tandem.kernels.fp8_linear import fp8_gemm_triton, silu_and_mul_quantize_fp8_triton
 from tandem.kernels.quant_linear import QuantWeight, linear_function
 from tandem.kernels.quant_small_m import (
     SmallMWorkspace,
@@ -103,6 +104,16 @@ class QuantizedLinear(nn.Module):
         if not self._fuses_input(gate_up):
             return None
         return small_m_silu_linear_triton(gate_up, self.qweight, self.scales, self.bias, workspace=self._workspace)
+
+    def silu_quant_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up quantized per token in one kernel, then this fp8 layer's W8A8 GEMM, for gate_up rows
+        [M, 2K] on the Triton backend above the small-M limit (a prompt step); None where that path does not run
+        (the caller runs `silu_and_mul`, then `forward`). The same result as theirs, bit for bit."""
+        if (self.kind != "fp8" or self._workspace is None or gate_up.dim() != 2
+                or use_small_m(gate_up.shape[0], kind="fp8")):
+            return None
+        qx, x_scales = silu_and_mul_quantize_fp8_triton(gate_up)
+        return fp8_gemm_triton(qx, x_scales, self.qweight, self.scales, self.bias, gate_up.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}, "

@@ -97,3 +97,32 @@ def test_silu_linear_fusion_gives_the_unfused_logits(quantization: str, device: 
     # the same arithmetic in the same order: equal on the CPU; bf16 on a GPU may differ in the last place
     tolerance = 0.0 if expected[1].dtype == torch.float32 else 2e-2
     assert (got[1] - expected[1]).abs().max() <= tolerance * expected[1].abs().max()
+
+
+@pytest.mark.usefixtures("needs_triton")
+def test_silu_quant_fusion_gives_the_unfused_logits(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """silu_quant: an fp8 down projection of a prompt step (more tokens than the small-M path takes) gets its input
+    made and quantized in one kernel; the logits are the unfused path's exactly, and a decode step's one token keeps
+    the small-M path."""
+    if device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 weights need compute capability 8.9")
+    calls: list[int] = []
+    real = quantization_module.silu_and_mul_quantize_fp8_triton
+
+    def spy(gate_up: torch.Tensor):  # type: ignore[no-untyped-def]
+        calls.append(gate_up.shape[0])
+        return real(gate_up)
+
+    monkeypatch.setattr(quantization_module, "silu_and_mul_quantize_fp8_triton", spy)
+    prompt = list(range(300, 319))
+    torch.manual_seed(0)
+    unfused = _runner("fp8", "all", device)
+    torch.manual_seed(0)
+    fused = _runner("fp8", "all+silu_quant", device)
+    with torch.inference_mode():
+        expected = _prefill_then_decode(unfused, prompt)
+        assert calls == []
+        got = _prefill_then_decode(fused, prompt)
+    assert calls == [len(prompt)] * fused.model.num_layers  # the prompt step's down projections only
+    torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)
+    torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)

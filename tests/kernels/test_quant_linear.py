@@ -12,11 +12,13 @@ import torch
 from tandem.kernels.fp8_linear import (
     FP8_MAX,
     Fp8LinearConfig,
+    fp8_gemm_triton,
     fp8_linear_ref,
     fp8_linear_triton,
     quantize_fp8_activation,
     quantize_fp8_activation_triton,
     quantize_fp8_weight,
+    silu_and_mul_quantize_fp8_triton,
 )
 from tandem.kernels.int8_linear import (
     Int8LinearConfig,
@@ -29,6 +31,7 @@ from tandem.kernels.int8_linear import (
 )
 from tandem.kernels.quant_common import FP8_DTYPE
 from tandem.kernels.quant_linear import QuantWeight, quant_linear
+from tandem.kernels.silu_and_mul import silu_and_mul_triton
 
 # (M, N, K): one token; K not a multiple of any block and N odd; more rows than one 16-row block.
 LINEAR_SHAPES = [(1, 7, 40), (3, 33, 200), (17, 65, 300)]
@@ -247,6 +250,27 @@ def test_fp8_activation_kernel_bit_exact(dtype: torch.dtype, device: torch.devic
     q, s = quantize_fp8_activation_triton(xs)
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+
+@pytest.mark.usefixtures("needs_triton")
+def test_fp8_silu_quantize_kernel_is_silu_and_mul_then_quantize(dtype: torch.dtype, device: torch.device) -> None:
+    """`silu_and_mul_quantize_fp8_triton` (the silu_quant fusion) bit for bit against the two kernels it replaces,
+    and the GEMM over its output (`fp8_gemm_triton`) against `fp8_linear_triton` over the unfused activation: K
+    past one 1,024 block and ragged, rows of different ranges, a zero row."""
+    gate_up = torch.randn(5, 2 * 1500, device=device) * torch.tensor([[1e-3], [1.0], [8.0], [30.0], [0.0]],
+                                                                      device=device)
+    gate_up = gate_up.to(dtype)
+    activation = silu_and_mul_triton(gate_up)
+    q_ref, s_ref = quantize_fp8_activation_triton(activation)
+    q, s = silu_and_mul_quantize_fp8_triton(gate_up)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    qweight, w_scales = quantize_fp8_weight(torch.randn(48, 1500, device=device))
+    expected = fp8_linear_triton(activation, qweight, w_scales, small_m=False)
+    assert torch.equal(fp8_gemm_triton(q, s, qweight, w_scales, None, dtype), expected)
+    with pytest.raises(ValueError, match="fp8_gemm"):
+        fp8_gemm_triton(q, s[:2], qweight, w_scales, None, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
