@@ -148,8 +148,13 @@ def _worker(role: str, service: dict[str, object], engine: dict[str, object], th
     config = EngineConfig.create(load_model_config(model), **engine)  # type: ignore[arg-type]
     if role == "prefill":
         from tandem.prefill_svc.server import serve as serve_prefill
+        from tandem.serving.weight_ipc import WeightsShareError
 
-        asyncio.run(serve_prefill(options, config, model, weights_from))
+        try:
+            asyncio.run(serve_prefill(options, config, model, weights_from))
+        except WeightsShareError as error:  # a clear line, not a traceback: the owner or its answer is the problem
+            typer.echo(f"tandem prefill: --weights-from {weights_from}: {error}", err=True)
+            raise typer.Exit(2) from None
     else:
         import json
 

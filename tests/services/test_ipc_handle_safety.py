@@ -117,3 +117,21 @@ async def test_a_cpu_decode_worker_refuses_to_share_its_weights_and_the_prefill_
         assert "needs a GPU" in (caught.value.details() or "")
         with pytest.raises(WeightsShareError, match="FAILED_PRECONDITION.*needs a GPU"):
             await fetch_weights(channel, timeout_s=10)
+
+
+async def test_tandem_prefill_says_why_it_cannot_map_weights_and_exits(workers) -> None:  # noqa: ANN001
+    """`tandem prefill --weights-from` a worker that cannot share: one line naming the flag and the cause, exit 2."""
+    import asyncio
+    import sys
+
+    from tandem.launcher import free_port
+
+    _, decode = workers
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tandem.cli", "prefill", "--model", "dummy:tiny", "--port", str(free_port("127.0.0.1")),
+        "--http-port", str(free_port("127.0.0.1")), "--weights-from", decode.address,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode == 2
+    assert f"--weights-from {decode.address}" in stderr.decode() and "needs a GPU" in stderr.decode()
+    assert "Traceback" not in stderr.decode()
