@@ -27,9 +27,10 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch import nn
 
 from tandem.common.config import ModelConfig
@@ -38,10 +39,7 @@ from tandem.engine.model import LlamaForCausalLM
 from tandem.engine.quantization import quantize_linears
 from tandem.kernels import Ops
 from tandem.serving.kv_ipc import gpu_uuid, open_storage, share_storage, storage_problems
-from tandem.v1 import worker_pb2
-
-if TYPE_CHECKING:
-    import grpc
+from tandem.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -198,10 +196,6 @@ def _put(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 async def fetch_weights(channel: grpc.aio.Channel, timeout_s: float = OWNER_STARTUP_S) -> worker_pb2.WeightsResponse:
     """Ask the owner for its handles, retrying while it is not up yet (workers start together) until `timeout_s`."""
-    import grpc
-
-    from tandem.v1 import worker_pb2_grpc
-
     stub = worker_pb2_grpc.DecodeStub(channel)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
@@ -222,9 +216,6 @@ async def watch_owner(channel: grpc.aio.Channel, owner_pid: int = 0, interval_s:
     (`owner_pid` in this host's /proc: the same pid namespace) its end, or its becoming a zombie, is what counts;
     elsewhere `failures` health checks in a row that find nobody answering (UNAVAILABLE, or no answer in
     `health_timeout_s`: a busy owner is not a dead one)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     if owner_pid and (identity := _process_start(owner_pid)) is not None:
         while _process_start(owner_pid) == identity:
             await asyncio.sleep(interval_s)
