@@ -90,6 +90,10 @@
 #            (2-16 req/s) at the 2,048 budget, ~7 min
 #   kv18b    #18: after kv18: the kernel tests again (per-row q scaling), the sweep, the 8B fp8 + fp8 KV step and
 #            offline with the new default tile, the old one and 128,4,3,f16, ~6 min
+#   h18      #18 on an H200 (its targets' card): fp16 dots' and silu_quant's GPU tests, the decode step table (bf16 /
+#            int8 / fp8 / fp8 + fp8 KV at batch 1/64/256), fp8 + fp8 KV with the f16 tile, offline for every variant
+#            and fp8 + fp8 KV with the f16 tile and with silu_quant, ~7.5 min
+#   h18k     #18 on an H200: the 1,000/1,000 max-throughput run, bf16 and fp8 + fp8 KV (H18K_TILE picks the tile), ~4 min
 #   share14  #14: prefill workers mapping the decode worker's weights (one copy per GPU): the GPU stack test of it, then
 #            two prefill workers at 85% of the SMs at 2-48 req/s (their pools recorded), ~8 min
 #   prof18   #18: where fp8's prefill falls short of 2x bf16 (offline 1.41x, target 1.5x): the GPU kernels of one
@@ -1349,6 +1353,29 @@ suite_kv18b() {
         step "kv18b-offline-$name" 150 env TANDEM_FP8_KV_DECODE_TILE="${tile#default}" $Q offline $DRY \
             --model "$BIG" --variants fp8+fp8kv --out "$OUT/offline-$name"
     done
+}
+
+# 2026-12-07, eighth session (#18): the issue's table on its own card in one call (nothing of it ran on an H200 since
+# 12-03: fp8 KV tiles, fp16 dots, silu_quant, the small-M paths are H100 numbers).
+suite_h18() {
+    step h18-tests 150 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_paged_decode_attention.py \
+        tests/kernels/test_quant_linear.py tests/kernels/test_norm_linear_model.py -k "paged or silu_quant or silu_quantize"
+    local Q="$TI $PY -m tandem.benchmarks.quant"
+    step h18-step 200 $Q decode-latency $DRY --model "$BIG" --variants bf16,int8,fp8,fp8+fp8kv \
+        --batches "$(n 1,64,256 1,4)" --steps "$(n 50 3)" --out "$OUT/step"
+    step h18-step-f16 100 env TANDEM_FP8_KV_DECODE_TILE=128,4,3,f16 $Q decode-latency $DRY --model "$BIG" \
+        --variants fp8+fp8kv --batches "$(n 1,64,256 1,4)" --steps "$(n 50 3)" --out "$OUT/step-f16"
+    step h18-offline 200 $Q offline $DRY --model "$BIG" --variants bf16,int8,fp8,fp8+fp8kv --out "$OUT/offline"
+    step h18-offline-f16 100 env TANDEM_FP8_KV_DECODE_TILE=128,4,3,f16 $Q offline $DRY --model "$BIG" \
+        --variants fp8+fp8kv --out "$OUT/offline-f16"
+    step h18-offline-silu-quant 100 env TANDEM_FUSIONS=all+silu_quant $Q offline $DRY --model "$BIG" \
+        --variants fp8+fp8kv --out "$OUT/offline-silu-quant"
+}
+
+suite_h18k() {
+    step h18k-1000 300 env TANDEM_FP8_KV_DECODE_TILE="${H18K_TILE:-}" $TI $PY -m tandem.benchmarks.quant offline $DRY \
+        --model "$BIG" --variants bf16,fp8+fp8kv --num-requests "$(n 512 8)" --prompt-len 1000 --max-tokens 1000 \
+        --out "$OUT/offline-1000"
 }
 
 # 2026-12-07, seventh session (#14): on an 80 GB card two 8B prefill workers' own weights left decode ~8 GB of pages; now
