@@ -308,14 +308,18 @@ def decode_attention_config(head_dim: int, is_fp8: bool, num_splits: int = 1) ->
     An fp8 cache's tile holds half the bytes: without splits (S * Hkv past two waves of SMs, batch >= 33 for Llama 8B
     on an H100) it takes twice the tokens: 18-25% less time than the bf16 tile at batch 64, 3-4% at batch 256 on an
     H100 (`benchmarks/decode_attention_sweep.py`, `benchmarks/results/README.md`); with splits (small batches) the
-    bf16 tile stays, as slices are whole tiles. $TANDEM_FP8_KV_DECODE_TILE (read once per process) overrides an fp8
-    cache's tile, fp16 dots included (`128,4,3,f16`: 24-38% less time than the bf16 tile at batch 64-256 on the
-    H100; opt-in until its GPU test passes).
+    bf16 tile stays, as slices are whole tiles. At D 128 the fp8 tile also multiplies in fp16 with 3 stages
+    (`128,4,3,f16`): 24-38% less time than the bf16 tile at batch 64-256 in the sweep, and through the 8B decode step
+    8.11 -> 7.46 ms at batch 64 and 17.07 -> 14.55 ms at batch 256 against `128,4,2` (H100, 2026-12-07, eighth
+    session; its GPU tests pass with q scaled per row). $TANDEM_FP8_KV_DECODE_TILE (read once per process) overrides
+    an fp8 cache's tile (`...,bf16` turns the fp16 dots off).
     """
     if is_fp8 and (override := _fp8_tile_override()) is not None:
         return override
     if head_dim <= 64:
         return DecodeAttentionConfig(128, 4, 2)
+    if is_fp8 and num_splits == 1 and head_dim <= 128:
+        return DecodeAttentionConfig(128, 4, 3, True)
     block_n = 64 if head_dim <= 128 else 32
     if is_fp8 and num_splits == 1:
         block_n *= 2

@@ -206,11 +206,13 @@ def test_kernel_fp8_large_q(dtype: torch.dtype, device: torch.device, tol: dict[
 
 
 def test_fp8_tile_by_split_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An fp8 cache's tile doubles its tokens where no splits run (the H100's sweep), keeps the bf16 tile with splits
-    and at D 64; bf16 caches are unchanged; the environment's tile overrides an fp8 cache's only."""
+    """An fp8 cache's tile doubles its tokens and multiplies in fp16 where no splits run (the H100's sweep and step),
+    keeps the bf16 tile with splits and at D 64; bf16 caches are unchanged; the environment's tile overrides an fp8
+    cache's only."""
     from tandem.kernels import paged_decode_attention as module
 
-    assert decode_attention_config(128, True, 1) == DecodeAttentionConfig(128, 4, 2)
+    assert decode_attention_config(128, True, 1) == DecodeAttentionConfig(128, 4, 3, True)
+    assert decode_attention_config(256, True, 1) == DecodeAttentionConfig(64, 4, 2)
     assert decode_attention_config(128, True, 16) == DecodeAttentionConfig(64, 4, 2)
     assert decode_attention_config(128, False, 1) == DecodeAttentionConfig(64, 4, 2)
     assert decode_attention_config(64, True, 1) == DecodeAttentionConfig(128, 4, 2)
@@ -219,6 +221,9 @@ def test_fp8_tile_by_split_count(monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         assert decode_attention_config(128, True, 16) == DecodeAttentionConfig(128, 4, 3, True)
         assert decode_attention_config(128, False, 1) == DecodeAttentionConfig(64, 4, 2)
+        monkeypatch.setenv(module.FP8_TILE_ENV, "128,4,2,bf16")
+        module._fp8_tile_override.cache_clear()
+        assert decode_attention_config(128, True, 1) == DecodeAttentionConfig(128, 4, 2)
     finally:
         monkeypatch.delenv(module.FP8_TILE_ENV)
         module._fp8_tile_override.cache_clear()
