@@ -78,6 +78,7 @@ class PeerState:
     kv_transports: list[str] = field(default_factory=lambda: [GRPC])
     has_handle: bool = False  # it has mapped our pool
     failed_ipc: bool = False  # it could not map it: grpc from now on
+    unreachable: bool = False  # its Info went unanswered (not connected, or no answer in time): not cached
 
 
 @dataclass(frozen=True)
@@ -138,12 +139,21 @@ class KVPuller:
 
     async def _pull_from(self, request: PullRequest, address: str, deadline: float | None) -> None:
         peer = await self._peer(address)
-        try:
-            transport = choose_transport(self.kv_transport, self.gpu_uuid, peer.gpu_uuid, peer.kv_transports,
-                                         peer.failed_ipc)
-        except ValueError as error:
-            raise KVTransportError(str(error)) from None
+        for _ in range(_CONNECT_RETRIES):  # an unanswered Info tells nothing of its GPU: ask again once connected
+            if not peer.unreachable:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.channels.get(address).channel_ready(), _CONNECT_WAIT_S)
+            peer = await self._peer(address)
         connect_retries = _CONNECT_RETRIES
+        if peer.unreachable:  # waited already: one call by bytes, whose failure is recorded before the fallback
+            transport, connect_retries = GRPC, 0
+        else:
+            try:
+                transport = choose_transport(self.kv_transport, self.gpu_uuid, peer.gpu_uuid, peer.kv_transports,
+                                             peer.failed_ipc)
+            except ValueError as error:
+                raise KVTransportError(str(error)) from None
         for _ in range(3 + _CONNECT_RETRIES):  # also: an unknown pool (send the handle), a failed map (go by bytes)
             try:
                 await self._pull_once(request, address, peer, transport, deadline,
@@ -328,8 +338,8 @@ class KVPuller:
                     worker_pb2.InfoRequest(), timeout=2.0)
                 peer.gpu_uuid, peer.kv_transports = info.gpu_uuid, list(info.kv_transports)
                 self._peers[address] = peer
-            except grpc.aio.AioRpcError:
-                pass  # not cached: asked again next time
+            except grpc.aio.AioRpcError as error:  # not cached: asked again next time
+                peer.unreachable = error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         return peer
 
     def _exported_pool(self) -> ExportedPool:

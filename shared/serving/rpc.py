@@ -41,6 +41,11 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # as clients send them, or it answers with GOAWAY ("too_many_pings").
 _KEEPALIVE_TIME_MS = 20_000
 _KEEPALIVE_TIMEOUT_MS = 10_000
+# A channel whose peer is not up yet retries with exponential backoff, up to gRPC's 120 s by default, and a call
+# meanwhile fails at once: a peer that came up after ~20 s of refusals was reachable only 5.6-8.1 s later (loopback,
+# 2026-12-07), which a prefill worker started after its decode worker (`--share-weights`) turned into a 2 s first
+# request and, with `--kv-transport cuda-ipc`, a failed one. Peers are services of one deployment: try every second.
+_MAX_RECONNECT_BACKOFF_MS = 1_000
 _MIN_PING_INTERVAL_MS = 10_000
 # gRPC core queues each new call until the server's loop asks for it, and refuses calls past a backlog (with
 # random early drop from the soft limit, all past the hard one; defaults 1,000 and 3,000): the caller gets CANCELLED
@@ -261,6 +266,8 @@ def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTE
         ("grpc.keepalive_permit_without_calls", 1),
         # Keep pinging an idle connection: without this the client stops after two pings with no data.
         ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
     ]
     if tls is not None:
         channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)

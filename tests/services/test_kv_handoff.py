@@ -7,13 +7,15 @@
 - every prompt token decode computes itself is counted with its reason, also under preemption;
 - more concurrent prompts than a prefill worker takes streams on one connection wait for a free one instead of
   being refused (and computed on decode);
-- a prefill worker that refuses decode's first connection (not listening yet) gets the prompt once it listens.
+- a prefill worker that refuses decode's first connection (not listening yet) gets the prompt once it listens;
+- one that comes up late is reached within about a second of listening (gRPC's reconnect backoff capped).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ import torch
 
 from tandem.common.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.common.sampling_params import SamplingParams
+from tandem.decode_svc.servicer import DecodeServicer
 from tandem.engine.engine import Engine
 from tandem.engine.request import KVMirror
 from tandem.serving import metrics
@@ -212,6 +215,35 @@ async def test_a_prefill_worker_that_refuses_the_first_connection_still_gets_the
         workers.append(await start_worker("prefill", engine_config(model_folder), address=address))
         tokens, local = await asyncio.wait_for(pending, 30)
         assert local == 0 and _local_tokens("transfer_failed") == before
+        assert tokens == reference_tokens(model_folder, [prompt], max_tokens=4)[0]
+    finally:
+        for worker in workers:
+            await worker.server.stop(0)
+            worker.engine.close()
+
+
+async def test_a_prefill_worker_that_comes_up_late_is_reached_within_a_second(model_folder: Path) -> None:
+    """Decode's warm start asks a prefill worker that is not up for 10 s (as one that maps decode's weights starts
+    after it): once it listens, decode learns it within ~1 s (gRPC's reconnect backoff would have grown to several
+    seconds by then), and a request then goes to it with no prompt token computed on decode."""
+    from tandem.launcher import free_port
+
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    decode = await start_worker("decode", engine_config(model_folder))
+    workers = [decode]
+    try:
+        assert isinstance(decode.servicer, DecodeServicer)
+        connecting = asyncio.ensure_future(decode.servicer.runner.puller.connect(address, interval_s=0.25))
+        await asyncio.sleep(10.0)
+        assert not connecting.done()
+        workers.append(await start_worker("prefill", engine_config(model_folder), address=address))
+        listening = time.monotonic()
+        assert await asyncio.wait_for(connecting, 10)
+        assert time.monotonic() - listening < 2.0
+        prompt = prompts_for(512, [11])[0]
+        tokens, local = await asyncio.wait_for(generate(decode, decode_request("late2", prompt, address, max_tokens=4)),
+                                               30)
+        assert local == 0
         assert tokens == reference_tokens(model_folder, [prompt], max_tokens=4)[0]
     finally:
         for worker in workers:
