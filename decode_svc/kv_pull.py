@@ -300,11 +300,13 @@ class KVPuller:
     async def connect(self, address: str, attempts: int = 120, interval_s: float = 0.5) -> bool:
         """Warm start: learn the peer (Info) and, when cuda-ipc will be used with it, have it map this worker's
         pool now (`OpenPool`), so the first request pays for neither. Retries while the peer is not up yet;
-        False if it never answered (the first request then does it)."""
+        False if it never answered or refused (the first request then does it)."""
         for _ in range(attempts):
             peer = await self._peer(address)
             if address in self._peers:
                 break
+            if not peer.unreachable:
+                return False  # it answered with a refusal (another stack's token, say): the first request learns why
             await asyncio.sleep(interval_s)
         else:
             return False

@@ -25,6 +25,10 @@ from tandem.serving.telemetry import get_tracer
 from tandem.serving.worker import new_worker_id, start_engine, worker_record
 from tandem.v1 import worker_pb2_grpc
 
+# How long a decode worker waits at start-up for its configured prefill workers (`--prefill`) to answer before it
+# reports SERVING without them: a prefill worker that maps this worker's weights comes up ~15 s after it (8B, H100).
+WARM_PEERS_MAX_S = 60.0
+
 
 def create_servicer(engine: AsyncEngine, model_name: str, *, kv_transport: str = "auto", max_queued: int = 1024,
                     tls: TlsConfig | None = None, tracer: trace.Tracer | None = None,
@@ -84,8 +88,14 @@ async def serve(service: ServiceOptions, config: EngineConfig, model_name: str, 
     servicer = create_servicer(engine, model_name, kv_transport=kv_transport, max_queued=max_queued, tls=service.tls,
                                is_known_peer=peers.is_known, internal_token=service.internal_token)
     worker_id = new_worker_id("decode")
-    # Warm start: learn the configured prefill workers and have them map this worker's pool now.
+    # Warm start: learn the configured prefill workers and have them map this worker's pool now, before this worker
+    # reports SERVING (it listens meanwhile: a prefill worker that maps its weights needs it), so that a first request
+    # pays for neither. A peer that is not up within WARM_PEERS_MAX_S is learnt later, by the first request to it.
     connecting = [asyncio.create_task(servicer.runner.puller.connect(address)) for address in prefill_peers]
+
+    async def warm_up() -> None:
+        if connecting:
+            await asyncio.wait(connecting, timeout=WARM_PEERS_MAX_S)
 
     def add(server: grpc.aio.Server) -> list[str]:
         worker_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
@@ -100,4 +110,4 @@ async def serve(service: ServiceOptions, config: EngineConfig, model_name: str, 
         engine.close()
 
     await run_service(service, add, lambda address: worker_record(engine, "decode", model_name, worker_id, address),
-                      cleanup=cleanup, on_drain=servicer.drain, on_started=on_started, stop=stop)
+                      cleanup=cleanup, on_drain=servicer.drain, on_started=on_started, stop=stop, warm_up=warm_up)

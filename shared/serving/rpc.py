@@ -215,11 +215,13 @@ async def start_server(
     max_concurrent_streams: int = 256,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tls: TlsConfig | None = None,
+    serving: bool = True,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Starts a grpc.aio server (plaintext, or TLS when `tls` is given) with health checking and reflection.
 
     `add_servicers(server)` registers the service implementations and returns their full names (e.g.
-    "tandem.v1.Decode"); each is marked SERVING in grpc.health.v1, as is the whole server (""), and
+    "tandem.v1.Decode"); each is marked SERVING in grpc.health.v1 (NOT_SERVING with `serving` False, for a service
+    that warms up after it listens: `set_serving`), as is the whole server (""), and
     listed by server reflection. `bind` is "host:port"; port 0 picks a free port. Tandem errors raised by
     handlers are mapped to status codes by `ErrorMappingInterceptor`, innermost, so `interceptors` (e.g.
     tracing) see the final status. Returns the started server, the bound port and the health servicer
@@ -232,8 +234,7 @@ async def start_server(
     service_names = list(add_servicers(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ["", *service_names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(health_servicer, service_names, serving)
     reflected = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(reflected, server)
     port = server.add_secure_port(bind, tls.server_credentials()) if tls else server.add_insecure_port(bind)
@@ -242,6 +243,13 @@ async def start_server(
     await server.start()
     log.info("gRPC server on %s (port %d) serving %s", bind, port, ", ".join(service_names) or "nothing")
     return server, port, health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, service_names: Sequence[str], serving: bool) -> None:
+    """Marks the whole server ("") and each of `service_names` SERVING (or NOT_SERVING) in grpc.health.v1."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await health_servicer.set(name, status)
 
 
 async def stop_server(

@@ -17,7 +17,14 @@ from tandem.common.config import ConfigError, env_number
 from tandem.serving import metrics
 from tandem.serving.auth import InternalTokenInterceptor, require_auth_beyond_loopback, validate_token
 from tandem.serving.registry import RedisRegistry, WorkerRecord
-from tandem.serving.rpc import DEFAULT_MAX_MESSAGE_BYTES, AddServicers, TlsConfig, start_server, stop_server
+from tandem.serving.rpc import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    AddServicers,
+    TlsConfig,
+    set_serving,
+    start_server,
+    stop_server,
+)
 from tandem.serving.telemetry import SERVICE_NAMES, setup_tracing
 
 log = logging.getLogger(__name__)
@@ -136,22 +143,32 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
                       start_http: Callable[[str, int], Awaitable[int]] | None = None,
                       interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                       on_drain: Callable[[], None] | None = None,
-                      stop: asyncio.Event | None = None) -> None:
+                      stop: asyncio.Event | None = None,
+                      warm_up: Callable[[], Awaitable[object]] | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING at once, deregister, let calls in flight
     finish for up to `drain_s`, stop. `record(address)` describes this worker for the registry.
     `start_http(host, port)` starts the service's own HTTP server (which must serve `/metrics`) in place
     of the metrics-only one and returns its bound port; `cleanup` stops it. `interceptors` (e.g. the
     gateway's API keys) wrap every handler. `on_drain` runs as the drain begins (a decode worker ends its
     long-lived sessions as their requests finish; the gateway refuses new HTTP requests). With `stop`, the
-    drain begins when it is set and no signal handler is installed (a service run inside a test)."""
+    drain begins when it is set and no signal handler is installed (a service run inside a test). With `warm_up`
+    the server listens NOT_SERVING while it runs (its peers may call it meanwhile: a prefill worker mapping a decode
+    worker's weights does), then turns SERVING, registers and says it is ready."""
     # Tracing (off unless OTEL_* asks for it) is set up first: the servicers' tracers are proxies that
     # record from then on. Replicas share a service.name; the instance id tells them apart.
     tracer_provider = setup_tracing(SERVICE_NAMES[options.role], instance_id=options.advertised(options.port))
     # The internal token first: a call without it is refused before any other interceptor looks at it.
-    server, port, health = await start_server(f"{options.host}:{options.port}", add_servicers, tls=options.tls,
+    service_names: list[str] = []
+
+    def add(server: grpc.aio.Server) -> list[str]:
+        service_names.extend(add_servicers(server))
+        return service_names
+
+    server, port, health = await start_server(f"{options.host}:{options.port}", add, tls=options.tls,
                                               max_concurrent_streams=options.max_concurrent_streams,
                                               max_message_bytes=options.max_message_bytes,
-                                              interceptors=[*options.server_interceptors(), *interceptors])
+                                              interceptors=[*options.server_interceptors(), *interceptors],
+                                              serving=warm_up is None)
     if options.role != "gateway":
         log.info("%s: service-to-service authentication: %s", options.role, options.describe_auth())
     if start_http is not None:
@@ -159,6 +176,9 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
     else:
         http_port = metrics.serve_metrics(options.http_port, options.host)
     address = options.advertised(port)
+    if warm_up is not None:
+        await warm_up()
+        await set_serving(health, service_names, True)
     registry: RedisRegistry | None = None
     if options.redis_url and record is not None:
         registry = RedisRegistry(options.redis_url)

@@ -448,3 +448,50 @@ def test_compose_writes_a_token_every_service_reads(project: str) -> None:
         assert INTERNAL_TOKEN_ENV not in service["environment"]
         assert service["depends_on"]["internal-token"]["condition"] == "service_completed_successfully"
         assert "models:/models" in service["volumes"] and str(params["file"]).startswith("/models/")
+
+
+async def test_a_decode_worker_reports_serving_once_its_prefill_peer_answers() -> None:
+    """Warm start: a decode worker given a prefill worker that is not up yet listens (its Info answers) but reports
+    NOT_SERVING until that worker is up and learnt, then SERVING and ready; a peer that refuses it (another stack's
+    token) does not hold it back."""
+    from tandem.launcher import free_port
+
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    stop = asyncio.Event()
+    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    port = free_port("127.0.0.1")
+    task = asyncio.ensure_future(decode_server.serve(
+        ServiceOptions(role="decode", port=port, http_port=0, drain_s=0.0, internal_token=TOKEN), engine_config(),
+        MODEL, prefill_peers=[address], on_started=lambda a, h: ready.set_result(a), stop=stop))
+    prefill: Running | None = None
+    try:
+        async with make_channel(f"127.0.0.1:{port}", internal_token=TOKEN) as channel:
+            health_stub = health_pb2_grpc.HealthStub(channel)
+            for _ in range(600):  # the engine builds, then the server listens
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await worker_pb2_grpc.DecodeStub(channel).Info(worker_pb2.InfoRequest(), timeout=1.0)
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("decode never listened")
+            assert not ready.done()
+            reply = await health_stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            prefill = await start(lambda on_started, stop_prefill: prefill_server.serve(
+                ServiceOptions(role="prefill", port=int(address.rsplit(":", 1)[1]), http_port=0, drain_s=0.0,
+                               internal_token=TOKEN), engine_config(), MODEL, on_started=on_started, stop=stop_prefill))
+            await asyncio.wait_for(ready, 5.0)
+            reply = await health_stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        if prefill is not None:
+            await prefill.close()
+    # Refused by its peer: ready at once, not after WARM_PEERS_MAX_S.
+    other = await start_prefill(generate_token())
+    try:
+        decode = await asyncio.wait_for(start_decode(TOKEN, [other.address]), 20.0)
+        await decode.close()
+    finally:
+        await other.close()
