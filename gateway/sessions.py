@@ -43,7 +43,7 @@ import grpc
 from tandem.common.config import env_number
 from tandem.serving import metrics
 from tandem.serving.auth import TokenChannel
-from tandem.serving.rpc import _KEEPALIVE_TIME_MS, _KEEPALIVE_TIMEOUT_MS, DEFAULT_MAX_MESSAGE_BYTES, TlsConfig
+from tandem.serving.rpc import TlsConfig, channel_options
 from tandem.serving.service import SESSION_WINDOW_KEY
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -72,12 +72,7 @@ def session_channel(address: str, tls: TlsConfig | None = None, internal_token: 
     TLS, the internal token), but with BDP probing off and a small window, so that a decode worker merges its steps
     once this gateway lags (the module's docstring says why)."""
     options = [
-        ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-        ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
+        *channel_options(),
         ("grpc.http2.bdp_probe", 0),
         ("grpc.http2.lookahead_bytes", SESSION_WINDOW_BYTES if SESSION_COLUMNS else 65535),
     ]

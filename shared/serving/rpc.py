@@ -261,12 +261,9 @@ async def stop_server(
     await server.stop(grace_s)
 
 
-def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 tls: TlsConfig | None = None, internal_token: str | None = None) -> grpc.aio.Channel:
-    """A channel to "host:port" with tandem's message-size limits and keepalive pings; TLS (presenting
-    this service's certificate, for mutual TLS) when `tls` is given, plaintext otherwise; every call carries
-    `internal_token` (the stack's, `tandem.serving.auth`) when given."""
-    options = [
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """tandem's channel options: message limits, keepalive pings, the reconnect backoff's cap."""
+    return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
@@ -277,6 +274,14 @@ def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTE
         ("grpc.initial_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
         ("grpc.max_reconnect_backoff_ms", _MAX_RECONNECT_BACKOFF_MS),
     ]
+
+
+def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 tls: TlsConfig | None = None, internal_token: str | None = None) -> grpc.aio.Channel:
+    """A channel to "host:port" with tandem's message-size limits and keepalive pings; TLS (presenting
+    this service's certificate, for mutual TLS) when `tls` is given, plaintext otherwise; every call carries
+    `internal_token` (the stack's, `tandem.serving.auth`) when given."""
+    options = channel_options(max_message_bytes)
     if tls is not None:
         channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
     else:
