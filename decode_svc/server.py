@@ -26,7 +26,8 @@ from tandem.serving.worker import new_worker_id, start_engine, worker_record
 from tandem.v1 import worker_pb2_grpc
 
 # How long a decode worker waits at start-up for its configured prefill workers (`--prefill`) to answer before it
-# reports SERVING without them: a prefill worker that maps this worker's weights comes up ~15 s after it (8B, H100).
+# reports SERVING without them: a prefill worker that maps this worker's weights came up ~14 s after it in the GPU stack
+# test (H100).
 WARM_PEERS_MAX_S = 60.0
 
 

@@ -17,12 +17,12 @@ decode-latency --fusions ...`); the model's code does not change with them:
                   an H100 it made the 8B batch-1 step 2-3% slower (results README, 2026-12-07 third session)
     silu_linear   SwiGLU's activation inside the down projection's launch, where the projection can take it: a
                   quantized layer's small-M GEMV at one token (`QuantizedLinear.silu_forward`; each program makes
-                  its own K slice of silu(gate) * up, no full-row pass). Opt-in until measured on a GPU
+                  its own K slice of silu(gate) * up, no full-row pass). Opt-in: 0-0.5% on an H100's 8B batch-1 step
     silu_quant    SwiGLU's activation and the per-token fp8 quantization of the down projection's input in one
                   kernel, for an fp8 layer's W8A8 GEMM (prompt steps: above the small-M limit;
                   `QuantizedLinear.silu_quant_forward`, `silu_and_mul_quantize_fp8_triton`): the [T, I] activation
-                  is never written in bf16 and read back. Bit for bit the unfused result. Opt-in until measured on a
-                  GPU (#18's fp8 prefill)
+                  is never written in bf16 and read back. Bit for bit the unfused result. Opt-in: no gain on an H100
+                  (#18's fp8 + fp8 KV offline run, 5,026 against 5,062 tok/s)
 
 `get_ops("triton", fusions)` takes "all" (rope_store and add_norm: the default), "none", or names joined by "," or
 "+" ("all+attn_combine"); without `fusions`, from $TANDEM_FUSIONS (the same syntax), which reaches every engine a
