@@ -91,8 +91,7 @@
 #   kv18b    #18: after kv18: the kernel tests again (per-row q scaling), the sweep, the 8B fp8 + fp8 KV step and
 #            offline with the new default tile, the old one and 128,4,3,f16, ~6 min
 #   h18      #18 on an H200 (its targets' card): fp16 dots' and silu_quant's GPU tests, the decode step table (bf16 /
-#            int8 / fp8 / fp8 + fp8 KV at batch 1/64/256), fp8 + fp8 KV with the f16 tile, offline for every variant
-#            and fp8 + fp8 KV with the f16 tile and with silu_quant, ~7.5 min
+#            int8 / fp8 / fp8 + fp8 KV at batch 1/64/256), offline for every variant, ~4.5 min (with h18k: ~8)
 #   h18k     #18 on an H200: the 1,000/1,000 max-throughput run, bf16 and fp8 + fp8 KV (H18K_TILE picks the tile), ~4 min
 #   share14  #14: prefill workers mapping the decode worker's weights (one copy per GPU): the GPU stack test of it, then
 #            two prefill workers at 85% of the SMs at 2-48 req/s (their pools recorded), ~8 min
@@ -1365,13 +1364,7 @@ suite_h18() {
     local Q="$TI $PY -m tandem.benchmarks.quant"
     step h18-step 200 $Q decode-latency $DRY --model "$BIG" --variants bf16,int8,fp8,fp8+fp8kv \
         --batches "$(n 1,64,256 1,4)" --steps "$(n 50 3)" --out "$OUT/step"
-    step h18-step-f16 100 env TANDEM_FP8_KV_DECODE_TILE=128,4,3,f16 $Q decode-latency $DRY --model "$BIG" \
-        --variants fp8+fp8kv --batches "$(n 1,64,256 1,4)" --steps "$(n 50 3)" --out "$OUT/step-f16"
     step h18-offline 200 $Q offline $DRY --model "$BIG" --variants bf16,int8,fp8,fp8+fp8kv --out "$OUT/offline"
-    step h18-offline-f16 100 env TANDEM_FP8_KV_DECODE_TILE=128,4,3,f16 $Q offline $DRY --model "$BIG" \
-        --variants fp8+fp8kv --out "$OUT/offline-f16"
-    step h18-offline-silu-quant 100 env TANDEM_FUSIONS=all+silu_quant $Q offline $DRY --model "$BIG" \
-        --variants fp8+fp8kv --out "$OUT/offline-silu-quant"
 }
 
 suite_h18k() {
