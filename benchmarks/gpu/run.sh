@@ -95,8 +95,8 @@
 #   h18k     #18 on an H200: the 1,000/1,000 max-throughput run, bf16 and fp8 + fp8 KV (H18K_TILE picks the tile), ~4 min
 #   share14  #14: prefill workers mapping the decode worker's weights (one copy per GPU): the GPU stack test of it, then
 #            two prefill workers at 85% of the SMs at 2-48 req/s (their pools recorded), ~8 min
-#   share14c #14 in one call: share14's stack test, then colocated and two prefill workers at 85% with shared weights
-#            at 16, 32 and 48 req/s (SHARE14C_RATES), both on the same card, ~9.5 min
+#   share14c #14 in one call: share14's stack test, then colocated and two prefill workers with shared weights at 85% of
+#            the SMs (SHARE14C_SPLITS="85 70" adds 70%) at 16, 32 and 48 req/s (SHARE14C_RATES), on the same card, ~4-6 min
 #   prof18   #18: where fp8's prefill falls short of 2x bf16 (offline 1.41x, target 1.5x): the GPU kernels of one
 #            4,096-token prompt step and of a 256-sequence decode step, bf16 / fp8 / fp8 + fp8 KV; the silu_quant
 #            fusion's GPU tests and its offline A/B (fp8 + fp8 KV), ~7 min
@@ -1390,9 +1390,9 @@ suite_share14c() {
     step share14-stack 150 $PY -m pytest -q -x -p no:cacheprovider tests/e2e/test_gpu_stack.py -k mapped_weights
     local rates mode
     rates=$(n "${SHARE14C_RATES:-16,32,48}" 4)
-    for mode in colocated shared; do
+    for mode in colocated $(for p in ${SHARE14C_SPLITS:-85}; do echo "shared$p"; done); do
         local args=(--mode colocated)
-        [ $mode = shared ] && args=(--mode split:85:100 --prefill-workers 2 --stack-args=--share-weights)
+        [ $mode != colocated ] && args=(--mode "split:${mode#shared}:100" --prefill-workers 2 --stack-args=--share-weights)
         step "serve-$mode" 220 $PY -m tandem.benchmarks.serve_modes "${args[@]}" --model "$BIG" --device "$DEVICE" \
             --max-num-seqs "$(n 128 8)" --rates "$rates" --num-requests "$(n 128 4)" --prompt-len "fixed:$(n 1024 32)" \
             --output-len "fixed:$(n 256 8)" --out "$OUT/serve-$mode.json"
