@@ -54,6 +54,7 @@ torch.set_num_threads(1).)
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -301,6 +302,66 @@ def int8_launch_config(m: int, n: int, k: int, group_size: int, num_sms: int, *,
     return Int8LinearConfig(block_m, block_n, block_k, split_k, num_warps, num_stages, int8_bits)
 
 
+# Large M: dequantize once, then cuBLAS. The int8 GEMM above runs at 0.55-0.9x cuBLAS bf16 (its docstring);
+# writing the bf16 weight costs 3 bytes per weight (read 1, write 2), ~0.3 ms for an 8B layer stack's largest
+# projection pair at H200 bandwidth, against a prompt step's GEMMs at M >= 512 of several ms.
+INT8_DEQUANT_MIN_M_ENV = "TANDEM_INT8_DEQUANT_MIN_M"
+INT8_DEQUANT_MIN_M_DEFAULT = 512
+
+
+@functools.lru_cache(maxsize=1)
+def int8_dequant_min_m() -> int:
+    """The smallest M whose int8 linear dequantizes the weight to x's dtype and calls cuBLAS:
+    $TANDEM_INT8_DEQUANT_MIN_M (0: never), else INT8_DEQUANT_MIN_M_DEFAULT. Read once (`cache_clear()` re-reads)."""
+    raw = os.environ.get(INT8_DEQUANT_MIN_M_ENV, "").strip()
+    if not raw:
+        return INT8_DEQUANT_MIN_M_DEFAULT
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"${INT8_DEQUANT_MIN_M_ENV}={raw!r} is not an integer") from None
+    if value < 0:
+        raise ValueError(f"${INT8_DEQUANT_MIN_M_ENV}={value} must be >= 0")
+    return value
+
+
+@triton.jit
+def _int8_dequant_kernel(
+    w_ptr, scales_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pdl_prologue(USE_PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    rows = offs_n.to(tl.int64)[:, None]
+    w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0).to(tl.float32)
+    if GROUP_SIZE > 0:
+        s = tl.load(scales_ptr + rows * stride_sn + (offs_k // GROUP_SIZE)[None, :], mask=mask, other=0.0)
+    else:
+        s = tl.load(scales_ptr + rows * stride_sn, mask=(offs_n < N)[:, None], other=0.0)
+    tl.store(out_ptr + rows * stride_on + offs_k[None, :], (w * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_int8_weight_triton(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(qweight int8 [N, K], scales float32 [N] or [N, K // group_size]) -> [N, K] in `dtype` (q * scale in fp32,
+    rounded once to `dtype`). One launch; the result is a fresh tensor from the caching allocator."""
+    check_launchable("int8_dequant", qweight, scales)
+    check_last_dim_contiguous("int8_dequant", qweight=qweight, scales=scales)
+    n, k = qweight.shape
+    group_size = 0 if scales.dim() == 1 else k // scales.shape[1]
+    out = torch.empty((n, k), device=qweight.device, dtype=dtype)
+    if n == 0 or k == 0:
+        return out
+    block_n, block_k = 32, 256
+    pdl = use_pdl(qweight.device)
+    _int8_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        qweight, scales, out, n, k, qweight.stride(0), scales.stride(0), out.stride(0),
+        GROUP_SIZE=group_size, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
+    )
+    return out
+
+
 def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                        bias: torch.Tensor | None = None, *,
                        config: Int8LinearConfig | SmallMConfig | None = None, small_m: bool | None = None,
@@ -310,13 +371,20 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
     Accumulates in fp32. Group-wise scales need group_size to be a multiple of 16. Small M (`use_small_m`:
     M <= $TANDEM_QUANT_SMALL_M, by default M = 1 for int8; `small_m` True / False forces it on /
-    off) runs `small_m_linear_triton`, larger M `_int8_linear_kernel`. `config` overrides the launch settings and
-    picks the kernel by its type (`small_m_launch_config` / `int8_launch_config`: pure functions of the shapes, so a
-    CUDA graph fixes them at capture); `workspace`: see `small_m_linear_triton`.
+    off) runs `small_m_linear_triton`; M >= `int8_dequant_min_m()` (prompt steps) dequantizes the weight to x's
+    dtype (`dequantize_int8_weight_triton`) and calls cuBLAS; other M `_int8_linear_kernel`. `config` overrides the
+    launch settings and picks the kernel by its type (`small_m_launch_config` / `int8_launch_config`: pure
+    functions of the shapes, so a CUDA graph fixes them at capture); `workspace`: see `small_m_linear_triton`.
     """
     if isinstance(config, SmallMConfig) or (config is None and use_small_m(x.shape[0] if x.dim() == 2 else 0,
                                                                            small_m, "int8")):
         return small_m_linear_triton(x, qweight, scales, bias, config=config, workspace=workspace)
+    dequant_min_m = int8_dequant_min_m()
+    if config is None and dequant_min_m and x.dim() == 2 and x.shape[0] >= dequant_min_m:
+        check_linear_args("int8_linear", x, qweight, scales, bias, torch.int8, allow_groups=True)
+        check_launchable("int8_linear", x, qweight, scales)
+        return torch.nn.functional.linear(x, dequantize_int8_weight_triton(qweight, scales, x.dtype),
+                                          None if bias is None else bias.to(x.dtype))
     check_launchable("int8_linear", x, qweight, scales)
     check_last_dim_contiguous("int8_linear", x=x, qweight=qweight, scales=scales)
     group_size = check_linear_args("int8_linear", x, qweight, scales, bias, torch.int8, allow_groups=True)

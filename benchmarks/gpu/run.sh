@@ -1365,6 +1365,9 @@ suite_h18() {
     step h18-step 200 $Q decode-latency $DRY --model "$BIG" --variants bf16,int8,fp8,fp8+fp8kv \
         --batches "$(n 1,64,256 1,4)" --steps "$(n 50 3)" --out "$OUT/step"
     step h18-offline 200 $Q offline $DRY --model "$BIG" --variants bf16,int8,fp8,fp8+fp8kv --out "$OUT/offline"
+    # int8's prompt steps through its own GEMM (the path before dequantize + cuBLAS at M >= 512)
+    step h18-offline-int8-gemm 100 env TANDEM_INT8_DEQUANT_MIN_M=0 $Q offline $DRY --model "$BIG" --variants int8 \
+        --out "$OUT/offline-int8-gemm"
 }
 
 suite_h18k() {

@@ -21,8 +21,11 @@ from tandem.kernels.fp8_linear import (
     silu_and_mul_quantize_fp8_triton,
 )
 from tandem.kernels.int8_linear import (
+    INT8_DEQUANT_MIN_M_ENV,
     Int8LinearConfig,
     dequantize_int8_weight,
+    dequantize_int8_weight_triton,
+    int8_dequant_min_m,
     int8_launch_config,
     int8_linear_cpu,
     int8_linear_ref,
@@ -190,6 +193,63 @@ def test_int8_kernel_groupwise(group_size: int, split_k: int, device: torch.devi
     assert group_size % config.block_k == 0
     torch.testing.assert_close(int8_linear_triton(x, q, s, bias, config=config), int8_linear_ref(x, q, s, bias),
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize("group_size", [None, 48], ids=["channel", "g48"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+def test_int8_dequantize_kernel_rounds_once_like_the_reference(group_size: int | None, out_dtype: torch.dtype,
+                                                               device: torch.device) -> None:
+    # 37 x 300: neither a multiple of the 32 x 256 tile.
+    q, s = quantize_int8_weight(torch.randn(37, 288, device=device), group_size=group_size)
+    out = dequantize_int8_weight_triton(q, s, out_dtype)
+    assert out.dtype == out_dtype and out.shape == q.shape
+    ref = dequantize_int8_weight(q, s).to(out_dtype)
+    if device.type == "cuda":
+        assert torch.equal(out, ref)  # q * s in fp32, rounded to nearest once
+    else:  # Triton's interpreter truncates fp32 -> bf16: within one unit in the last place
+        ulp = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[out_dtype]
+        torch.testing.assert_close(out.float(), ref.float(), rtol=ulp, atol=0)
+
+
+@pytest.fixture()
+def dequant_min_m(monkeypatch: pytest.MonkeyPatch):
+    def set_to(value: str) -> None:
+        monkeypatch.setenv(INT8_DEQUANT_MIN_M_ENV, value)
+        int8_dequant_min_m.cache_clear()
+    yield set_to
+    monkeypatch.delenv(INT8_DEQUANT_MIN_M_ENV, raising=False)
+    int8_dequant_min_m.cache_clear()
+
+
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
+def test_int8_large_m_dequantizes_once_and_calls_the_dense_gemm(has_bias: bool, dtype: torch.dtype,
+                                                                 device: torch.device, tol: dict[str, float],
+                                                                 dequant_min_m) -> None:
+    # M at the threshold takes dequantize + F.linear (bitwise that); one row fewer keeps the int8 GEMM. Both match
+    # the reference.
+    dequant_min_m("20")
+    n, k = 33, 64
+    q, s = quantize_int8_weight(torch.randn(n, k, device=device) / k**0.5)
+    bias = torch.randn(n, device=device).to(dtype) if has_bias else None
+    x = torch.randn(20, k, device=device).to(dtype)
+    out = int8_linear_triton(x, q, s, bias)
+    w = dequantize_int8_weight_triton(q, s, dtype)
+    assert torch.equal(out, torch.nn.functional.linear(x, w, bias))
+    torch.testing.assert_close(out, int8_linear_ref(x, q, s, bias), atol=tol["atol"], rtol=tol["rtol"])
+    below = int8_linear_triton(x[:19], q, s, bias)
+    torch.testing.assert_close(below, int8_linear_ref(x[:19], q, s, bias), atol=tol["atol"], rtol=tol["rtol"])
+    dequant_min_m("0")  # never
+    torch.testing.assert_close(int8_linear_triton(x, q, s, bias), int8_linear_ref(x, q, s, bias),
+                               atol=tol["atol"], rtol=tol["rtol"])
+
+
+def test_int8_dequant_threshold_names_the_variable_on_bad_values(dequant_min_m) -> None:
+    for bad in ("many", "-1"):
+        dequant_min_m(bad)
+        with pytest.raises(ValueError, match=INT8_DEQUANT_MIN_M_ENV):
+            int8_dequant_min_m()
 
 
 @pytest.mark.usefixtures("needs_triton")
