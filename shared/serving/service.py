@@ -4,6 +4,7 @@ SIGTERM. No torch here: the gateway runs on it too (the workers' engine side is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
@@ -136,6 +137,21 @@ def settle_heap() -> None:
     gc.set_threshold(threshold, middle, old)
 
 
+async def _until_stopped(work: Awaitable[object], stop: asyncio.Event) -> bool:
+    """Run `work` unless `stop` is set first (then cancel it): True when it finished."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((task, stopped), return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        task.result()  # its exception, if any
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False
+
+
 async def run_service(options: ServiceOptions, add_servicers: AddServicers,
                       record: Callable[[str], WorkerRecord] | None = None,
                       on_started: Callable[[str, int], None] | None = None,
@@ -176,25 +192,27 @@ async def run_service(options: ServiceOptions, add_servicers: AddServicers,
     else:
         http_port = metrics.serve_metrics(options.http_port, options.host)
     address = options.advertised(port)
-    if warm_up is not None:
-        await warm_up()
-        await set_serving(health, service_names, True)
-    registry: RedisRegistry | None = None
-    if options.redis_url and record is not None:
-        registry = RedisRegistry(options.redis_url)
-        await registry.register(lambda: record(address))
-    if stop is None:  # a process of its own (not a service inside a test's process)
-        settle_heap()
-    # The launcher (`tandem up`) and people read this line to find the service.
-    print(f"tandem {options.role} ready grpc={options.host}:{port} advertise={address} "
-          f"http=http://{options.host}:{http_port}", flush=True)
-    if on_started is not None:
-        on_started(address, http_port)
+    is_own_process = stop is None  # not a service inside a test's process
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+    registry: RedisRegistry | None = None
+    # A stop during warm-up (its peers may take up to a minute) drains at once: never SERVING, never registered.
+    if warm_up is None or await _until_stopped(warm_up(), stop):
+        if warm_up is not None:
+            await set_serving(health, service_names, True)
+        if options.redis_url and record is not None:
+            registry = RedisRegistry(options.redis_url)
+            await registry.register(lambda: record(address))
+        if is_own_process:
+            settle_heap()
+        # The launcher (`tandem up`) and people read this line to find the service.
+        print(f"tandem {options.role} ready grpc={options.host}:{port} advertise={address} "
+              f"http=http://{options.host}:{http_port}", flush=True)
+        if on_started is not None:
+            on_started(address, http_port)
     await stop.wait()
     log.info("%s draining (up to %.0f s)", options.role, options.drain_s)
     # NOT_SERVING first: gateways probing health stop routing here even before Redis hears of it.

@@ -495,3 +495,32 @@ async def test_a_decode_worker_reports_serving_once_its_prefill_peer_answers() -
         await decode.close()
     finally:
         await other.close()
+
+
+async def test_a_decode_worker_stopped_while_it_warms_up_drains_without_ever_reporting_ready() -> None:
+    """A stop while decode waits for a prefill worker that never comes up ends the service at once (not after
+    WARM_PEERS_MAX_S): it never turns SERVING and never says it is ready."""
+    from tandem.launcher import free_port
+
+    stop = asyncio.Event()
+    ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    port = free_port("127.0.0.1")
+    task = asyncio.ensure_future(decode_server.serve(
+        ServiceOptions(role="decode", port=port, http_port=0, drain_s=0.0, internal_token=TOKEN), engine_config(),
+        MODEL, prefill_peers=[f"127.0.0.1:{free_port('127.0.0.1')}"], on_started=lambda a, h: ready.set_result(a),
+        stop=stop))
+    try:
+        async with make_channel(f"127.0.0.1:{port}", internal_token=TOKEN) as channel:
+            for _ in range(600):  # the engine builds, then the server listens NOT_SERVING
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                            timeout=1.0)
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("decode never listened")
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10.0)  # WARM_PEERS_MAX_S is 60
+    assert not ready.done()
