@@ -79,6 +79,7 @@ class PeerState:
     has_handle: bool = False  # it has mapped our pool
     failed_ipc: bool = False  # it could not map it: grpc from now on
     unreachable: bool = False  # its Info went unanswered (not connected, or no answer in time): not cached
+    slow: bool = False  # ... because it timed out (connected, but no answer in time)
 
 
 @dataclass(frozen=True)
@@ -139,14 +140,20 @@ class KVPuller:
 
     async def _pull_from(self, request: PullRequest, address: str, deadline: float | None) -> None:
         peer = await self._peer(address)
-        for _ in range(_CONNECT_RETRIES):  # an unanswered Info tells nothing of its GPU: ask again once connected
-            if not peer.unreachable:
+        # An Info that found no connection tells nothing of the peer's GPU: ask again once connected, within the
+        # request's deadline. One that timed out on a connected peer is not asked again (it would wait as long).
+        for _ in range(_CONNECT_RETRIES):
+            if not peer.unreachable or peer.slow or (deadline is not None and time.monotonic() >= deadline):
                 break
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.channels.get(address).channel_ready(), _CONNECT_WAIT_S)
+                await asyncio.wait_for(self.channels.get(address).channel_ready(), _wait_s(deadline))
             peer = await self._peer(address)
         connect_retries = _CONNECT_RETRIES
-        if peer.unreachable:  # waited already: one call by bytes, whose failure is recorded before the fallback
+        if peer.unreachable:
+            if self.kv_transport == CUDA_IPC:  # forced, and its GPU unknown: never downgraded to bytes
+                log.warning("%s: prefill worker %s did not answer; prefilling locally", request.req_id, address)
+                raise FallBackLocally("transfer_failed")
+            # waited already: one call by bytes, whose failure is recorded before the fallback
             transport, connect_retries = GRPC, 0
         else:
             try:
@@ -342,12 +349,18 @@ class KVPuller:
                 self._peers[address] = peer
             except grpc.aio.AioRpcError as error:  # not cached: asked again next time
                 peer.unreachable = error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                peer.slow = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         return peer
 
     def _exported_pool(self) -> ExportedPool:
         if self._pool is None:
             self._pool = ExportedPool.of(self.engine.engine.runner.kv_cache.tensor)
         return self._pool
+
+
+def _wait_s(deadline: float | None) -> float:
+    """How long to wait for a connection: _CONNECT_WAIT_S, less if the request's deadline comes first."""
+    return _CONNECT_WAIT_S if deadline is None else max(0.0, min(_CONNECT_WAIT_S, deadline - time.monotonic()))
 
 
 def _never_connected(error: BaseException) -> bool:

@@ -43,7 +43,7 @@ import grpc
 from tandem.common.config import env_number
 from tandem.serving import metrics
 from tandem.serving.auth import TokenChannel
-from tandem.serving.rpc import TlsConfig, channel_options
+from tandem.serving.rpc import ChannelPool, TlsConfig, channel_options
 from tandem.serving.service import SESSION_WINDOW_KEY
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -88,24 +88,11 @@ def session_channel(address: str, tls: TlsConfig | None = None, internal_token: 
 _MAX_SLOT = 2**32 - 1
 
 
-class SessionChannels:
-    """One `session_channel` per decode worker, made on first use and kept (a channel reconnects by itself)."""
+class SessionChannels(ChannelPool):
+    """One `session_channel` per decode worker, made on first use and kept while used (`ChannelPool`'s rules)."""
 
-    def __init__(self, tls: TlsConfig | None = None, internal_token: str | None = None) -> None:
-        self.tls = tls
-        self.internal_token = internal_token
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def get(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = session_channel(address, self.tls, self.internal_token)
-        return channel
-
-    async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            await channel.close()
+    def _make(self, address: str) -> grpc.aio.Channel:
+        return session_channel(address, self.tls, self.internal_token)
 
 
 @dataclass(frozen=True)

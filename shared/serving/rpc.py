@@ -6,10 +6,12 @@ The engine core never imports grpc; the services do, through this module.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,28 +292,56 @@ def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTE
 
 
 class ChannelPool:
-    """One channel per peer address, made on first use and kept (a channel reconnects by itself); its calls
-    carry `internal_token` when given."""
+    """One channel per peer address, made on first use and kept while it is used (a channel reconnects by itself);
+    its calls carry `internal_token` when given. A channel not asked for in `idle_close_s` that is failing to connect
+    (TRANSIENT_FAILURE: most likely a worker that went away) is closed at the next `get`, so a long-running service
+    does not keep dialling, once a second (`channel_options`' backoff cap), every address it ever used; asking for
+    that address again makes a fresh channel."""
+
+    idle_close_s = 60.0
 
     def __init__(self, tls: TlsConfig | None = None, internal_token: str | None = None) -> None:
         self.tls = tls
         self.internal_token = internal_token
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._last_used: dict[str, float] = {}
+        self._next_sweep = 0.0
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def _make(self, address: str) -> grpc.aio.Channel:
+        return make_channel(address, tls=self.tls, internal_token=self.internal_token)
 
     def get(self, address: str) -> grpc.aio.Channel:
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._close_failing(now)
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = make_channel(address, tls=self.tls,
-                                                             internal_token=self.internal_token)
+            channel = self._channels[address] = self._make(address)
+        self._last_used[address] = now
         return channel
+
+    def _close_failing(self, now: float) -> None:
+        self._next_sweep = now + self.idle_close_s
+        for address, channel in list(self._channels.items()):
+            idle_s = now - self._last_used[address]
+            if idle_s >= self.idle_close_s and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                del self._channels[address], self._last_used[address]
+                log.info("closing the channel to %s: unused for %.0f s and failing to connect", address, idle_s)
+                task = asyncio.get_running_loop().create_task(channel.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
 
     def __contains__(self, address: str) -> bool:
         return address in self._channels
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
+        self._last_used.clear()
         for channel in channels:
             await channel.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 @dataclass(frozen=True)

@@ -200,7 +200,7 @@ def test_int8_kernel_groupwise(group_size: int, split_k: int, device: torch.devi
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
 def test_int8_dequantize_kernel_rounds_once_like_the_reference(group_size: int | None, out_dtype: torch.dtype,
                                                                device: torch.device) -> None:
-    # 37 x 300: neither a multiple of the 32 x 256 tile.
+    # 37 x 288: neither a multiple of the 32 x 256 tile.
     q, s = quantize_int8_weight(torch.randn(37, 288, device=device), group_size=group_size)
     out = dequantize_int8_weight_triton(q, s, out_dtype)
     assert out.dtype == out_dtype and out.shape == q.shape
@@ -226,23 +226,36 @@ def dequant_min_m(monkeypatch: pytest.MonkeyPatch):
 @pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
 def test_int8_large_m_dequantizes_once_and_calls_the_dense_gemm(has_bias: bool, dtype: torch.dtype,
                                                                  device: torch.device, tol: dict[str, float],
-                                                                 dequant_min_m) -> None:
-    # M at the threshold takes dequantize + F.linear (bitwise that); one row fewer keeps the int8 GEMM. Both match
-    # the reference.
+                                                                 dequant_min_m, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    # M at the threshold takes dequantize + F.linear (bitwise that); one row fewer, and a threshold of 0, keep the
+    # int8 GEMM. Every path matches the reference.
+    import tandem.kernels.int8_linear as int8_linear
+
+    dequantized: list[int] = []
+
+    def counting(qweight: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        dequantized.append(qweight.shape[0])
+        return dequantize_int8_weight_triton(qweight, scales, out_dtype)
+
+    monkeypatch.setattr(int8_linear, "dequantize_int8_weight_triton", counting)
     dequant_min_m("20")
     n, k = 33, 64
     q, s = quantize_int8_weight(torch.randn(n, k, device=device) / k**0.5)
     bias = torch.randn(n, device=device).to(dtype) if has_bias else None
     x = torch.randn(20, k, device=device).to(dtype)
     out = int8_linear_triton(x, q, s, bias)
+    assert dequantized == [n]
     w = dequantize_int8_weight_triton(q, s, dtype)
     assert torch.equal(out, torch.nn.functional.linear(x, w, bias))
     torch.testing.assert_close(out, int8_linear_ref(x, q, s, bias), atol=tol["atol"], rtol=tol["rtol"])
     below = int8_linear_triton(x[:19], q, s, bias)
+    assert dequantized == [n]
     torch.testing.assert_close(below, int8_linear_ref(x[:19], q, s, bias), atol=tol["atol"], rtol=tol["rtol"])
     dequant_min_m("0")  # never
     torch.testing.assert_close(int8_linear_triton(x, q, s, bias), int8_linear_ref(x, q, s, bias),
                                atol=tol["atol"], rtol=tol["rtol"])
+    assert dequantized == [n]
 
 
 def test_int8_dequant_threshold_names_the_variable_on_bad_values(dequant_min_m) -> None:

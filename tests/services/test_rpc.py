@@ -234,3 +234,36 @@ async def test_a_burst_past_grpc_cores_call_backlog_reaches_the_handlers() -> No
         await channel.close()
         await server.stop(None)
     assert {outcome: outcomes.count(outcome) for outcome in set(outcomes)} == {"ok": 2500}
+
+
+async def test_a_channel_pool_closes_a_channel_left_failing_and_keeps_a_live_one() -> None:
+    """A pool's channel to an address nothing listens on (a worker that went away), unused for `idle_close_s` and
+    failing to connect, is closed at the pool's next `get`; an idle channel to a live server stays, and asking for
+    the dead address again makes a fresh channel."""
+    from tandem.launcher import free_port
+    from tandem.serving.rpc import ChannelPool
+
+    server, port, health = await start_server("127.0.0.1:0", lambda server: [])
+    live_address = f"127.0.0.1:{port}"
+    pool = ChannelPool()
+    pool.idle_close_s = 0.2
+    try:
+        dead_address = f"127.0.0.1:{free_port('127.0.0.1')}"
+        dead = pool.get(dead_address)
+        live = pool.get(live_address)
+        await asyncio.wait_for(live.channel_ready(), 5)
+        dead.get_state(try_to_connect=True)
+        for _ in range(100):
+            if dead.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the channel to nothing never failed")
+        await asyncio.sleep(0.3)
+        pool.get("127.0.0.1:1")  # any get sweeps once idle_close_s has passed
+        assert dead_address not in pool and live_address in pool
+        assert pool.get(live_address) is live
+        assert pool.get(dead_address) is not dead
+    finally:
+        await pool.close()
+        await stop_server(server, health, 0)
