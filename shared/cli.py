@@ -471,7 +471,7 @@ def up(
     share_weights: Annotated[bool, typer.Option(
         "--share-weights/--no-share-weights",
         help="On a GPU, prefill workers map the first decode worker's weights (CUDA IPC) instead of loading a copy "
-             "each; they then stop when it does.")] = False,
+             "each; they then stop when it does. --no-share-weights: a copy each.")] = True,
 ) -> None:
     """Start a gateway, N prefill and M decode workers (one process each), until Ctrl-C/SIGTERM."""
     from tandem.launcher import Stack, StackOptions

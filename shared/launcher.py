@@ -136,8 +136,8 @@ class StackOptions:
     # (`tandem.gateway.workers.default_num_workers`).
     gateway_workers: int | None = None
     # On one GPU, prefill workers map the first decode worker's weights (`tandem prefill --weights-from`) instead of
-    # loading a copy each (`tandem.serving.weight_ipc`). Opt-in until measured on a GPU (docs/architecture.md).
-    share_weights: bool = False
+    # loading a copy each (`tandem.serving.weight_ipc`); measured on an H100 (docs/architecture.md).
+    share_weights: bool = True
 
     @property
     def shares_weights(self) -> bool:

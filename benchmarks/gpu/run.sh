@@ -1425,6 +1425,21 @@ suite_prof18() {
     done
 }
 
+# prof18's fp8 + fp8 KV prompt step alone (one 4,096-token step, kernels by time), for a short lease, ~2.5 min.
+suite_prof18q() {
+    local variant args
+    for variant in ${PROF18Q_VARIANTS:-fp8+fp8kv}; do
+        case $variant in
+            bf16) args=() ;;
+            fp8) args=(--quantization fp8) ;;
+            *) args=(--quantization fp8 --kv-cache-dtype fp8) ;;
+        esac
+        step "prof18q-$variant" 200 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" "${args[@]}" \
+            --prompt-tokens "0,$(n 4096 64)" --decodes 0 --context "$(n 1024 32)" --repeat "$(n 3 1)" \
+            --profile --out "$OUT/step-cost-$variant.json"
+    done
+}
+
 # 2026-12-07, sixth session (#18): an fp8 KV cache's decode attention streamed at ~half a bf16 cache's bandwidth (batch
 # 64-256). Its kernel tests (fp16 dots), the tile sweep, then the best fp8 tile at batch 256 (from the sweep) against
 # the default through the 8B decode step and offline (~6.5 min), and with KV18_1000=1 the 1,000/1,000 run with it (~4).

@@ -1,5 +1,5 @@
 """The stack on one GPU: prefill and decode processes sharing it, KV pages over cuda-ipc and over grpc, the prefill
-worker with its own copy of the weights (the default) or the decode worker's mapped (`--share-weights`)."""
+worker with the decode worker's weights mapped (the default) or a copy of its own (`--no-share-weights`)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def run_prompts(tmp_path: Path, transport: str, *args: str) -> tuple[list[list[i
                              *args, model=MODEL):
         prefill_log = Path(str(next(s for s in stack.services if s["role"] == "prefill")["log"])).read_text()
         mapped = "weight tensors of the worker beside it" in prefill_log  # start_engine's line
-        assert mapped == ("--share-weights" in args), prefill_log[-2000:]
+        assert mapped == ("--no-share-weights" not in args), prefill_log[-2000:]  # shared by default
         gateway = stack.address("gateway")
         outputs = [stream(gateway, token_request(p))[0] for p in PROMPTS]
         assert stack.metric("decode", LOCAL) == 0  # every prompt was prefilled by the prefill worker
@@ -61,7 +61,7 @@ def test_cuda_ipc_and_grpc_give_the_same_tokens(tmp_path: Path) -> None:
 
 
 def test_prefill_with_mapped_weights_gives_what_its_own_copy_gives(tmp_path: Path) -> None:
-    shared, _, shared_local = run_prompts(tmp_path / "shared", "cuda-ipc", "--share-weights")
-    own, _, own_local = run_prompts(tmp_path / "own", "cuda-ipc")
+    shared, _, shared_local = run_prompts(tmp_path / "shared", "cuda-ipc")
+    own, _, own_local = run_prompts(tmp_path / "own", "cuda-ipc", "--no-share-weights")
     assert shared_local == 0 and own_local == 0
     assert shared == own

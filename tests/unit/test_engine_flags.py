@@ -87,8 +87,9 @@ def test_weight_estimate_matches_the_model_built() -> None:
 
 def test_tandem_up_on_one_gpu_gives_each_role_its_memory_share(tmp_path: Path, monkeypatch: MonkeyPatch) -> None:
     monkeypatch.setattr(launcher, "gpu_total_bytes", lambda: 143_771 << 20)
+    # Each worker its own weights (shared weights: the test below).
     stack = Stack(StackOptions(model="dummy:llama-3.1-8b", device="cuda", num_prefill=2, log_dir=tmp_path,
-                               gpu_split=GpuSplit(70, 100)))
+                               gpu_split=GpuSplit(70, 100), share_weights=False))
     stack._plan()
     shares: dict[str, set[float]] = {}
     for service in stack.services:
@@ -151,15 +152,17 @@ def test_prefill_workers_sharing_weights_map_the_first_decode_workers_and_need_n
         assert all(address == decode[0] for addresses in found.values() for address in addresses)
         return found
 
-    shared = weights_from(device="cuda", share_weights=True)
-    assert len(shared["prefill"]) == 2 and shared["decode"] == []  # each prefill worker, the first decode worker's
-    # Not by default, not on the CPU, not with a fraction given for every worker (it assumes each its own weights).
-    for options in ({"device": "cuda"}, {"device": "cpu", "share_weights": True},
-                    {"device": "cuda", "share_weights": True, "gpu_memory_fraction": 0.3}):
+    for options in ({"device": "cuda"}, {"device": "cuda", "share_weights": True}):  # the default on a GPU
+        shared = weights_from(**options)
+        assert len(shared["prefill"]) == 2 and shared["decode"] == []  # each prefill worker, the first decode worker's
+    # Not when turned off, not on the CPU, not with a fraction given for every worker (it assumes each its own weights).
+    for options in ({"device": "cuda", "share_weights": False}, {"device": "cpu"},
+                    {"device": "cuda", "gpu_memory_fraction": 0.3}):
         assert weights_from(**options) == {"prefill": [], "decode": []}, options
-    # `tandem up --share-weights` reaches the options.
+    # `tandem up --no-share-weights` reaches the options; sharing is the default.
     monkeypatch.setattr(Stack, "run", lambda self, **kw: print(self.options.share_weights) or 0)
-    assert CliRunner().invoke(app, ["up", "--model", "dummy:tiny", "--share-weights"]).output.strip() == "True"
+    assert CliRunner().invoke(app, ["up", "--model", "dummy:tiny", "--no-share-weights"]).output.strip() == "False"
+    assert CliRunner().invoke(app, ["up", "--model", "dummy:tiny"]).output.strip() == "True"
 
 
 def test_with_shared_weights_tandem_up_stops_decode_workers_only_after_the_rest(
