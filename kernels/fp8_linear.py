@@ -25,6 +25,7 @@ from tandem.kernels._triton import (
 )
 from tandem.kernels.quant_common import ACTIVATION_DTYPES, FP8_DTYPE, MIN_AMAX, check_linear_args, num_sms
 from tandem.kernels.quant_small_m import SmallMConfig, SmallMWorkspace, small_m_linear_triton, use_small_m
+from tandem.kernels.rms_norm import _rms_normalize, row_block_config
 
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _INV_FP8_MAX = 1.0 / FP8_MAX
@@ -228,6 +229,69 @@ def silu_and_mul_quantize_fp8_triton(gate_up: torch.Tensor) -> tuple[torch.Tenso
         USE_PDL=pdl, launch_pdl=pdl, num_warps=8 if block_k >= 1024 else 4,
     )
     return qx, scales
+
+
+@triton.jit
+def _add_rms_norm_quantize_rows_kernel(
+    x_ptr, residual_ptr, weight_ptr, q_ptr, scales_ptr,
+    hidden_size, stride_x, stride_residual, stride_qm, eps, min_amax,
+    HAS_RESIDUAL: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_prologue(USE_PDL)  # wait for the previous grid before any global access (see _triton)
+    # One program per row, the row in registers: (x + residual, stored as the new residual), its RMSNorm rounded to
+    # x's dtype as `fused_add_rms_norm` / `rms_norm` store it, then that row's absmax and fp8 codes as
+    # `_fp8_quantize_rows_kernel` makes them: the normalised row is never written in 16 bits and read back.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden_size
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
+        h = (h.to(tl.float32) + residual).to(residual_ptr.dtype.element_ty)
+        tl.store(residual_ptr + row * stride_residual + cols, h, mask=mask)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    normed = _rms_normalize(h.to(tl.float32), weight, hidden_size, eps, x_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(normed), axis=0), min_amax) * INV_FP8_MAX
+    tl.store(scales_ptr + row, scale)
+    scale_vec = tl.zeros([BLOCK_H], dtype=tl.float32) + scale
+    y = tl.minimum(tl.maximum(tl.math.div_rn(normed, scale_vec), -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * stride_qm + cols, _e4m3_bits(y), mask=mask)
+
+
+def add_rms_norm_quantize_fp8_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm of x (+ residual) quantized per token for the fp8 GEMM, in one launch: x, residual [T, H] (or None),
+    weight [H] -> (qx float8_e4m3fn [T, H], scales float32 [T], new residual [T, H]). With a residual, x + residual
+    overwrites `residual` (returned), as `fused_add_rms_norm` does; without, x is the new residual. x is not
+    written. Bit for bit `quantize_fp8_activation(fused_add_rms_norm(x, residual, weight, eps)[0])` (or of
+    `rms_norm(x, weight, eps)`)."""
+    op = "add_rms_norm_quantize_fp8"
+    tensors = (x, weight) if residual is None else (x, residual, weight)
+    check_launchable(op, *tensors)
+    check_last_dim_contiguous(op, x=x, weight=weight, **({} if residual is None else {"residual": residual}))
+    if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"{op}: x must be a 2-D float32/bf16/fp16 [T, H], got {x.dtype} {tuple(x.shape)}")
+    num_tokens, hidden_size = x.shape
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"{op}: residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} "
+                         f"{x.dtype}")
+    if weight.shape != (hidden_size,):
+        raise ValueError(f"{op}: weight shape {tuple(weight.shape)} != ({hidden_size},)")
+    qx = torch.empty((num_tokens, hidden_size), dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((num_tokens,), dtype=torch.float32, device=x.device)
+    new_residual = x if residual is None else residual
+    if num_tokens == 0:
+        return qx, scales, new_residual
+    block_h, num_warps = row_block_config(op, hidden_size, x.element_size())
+    pdl = use_pdl(x.device)
+    _add_rms_norm_quantize_rows_kernel[(num_tokens,)](
+        x, x if residual is None else residual, weight, qx.view(torch.uint8), scales,
+        hidden_size, x.stride(0), new_residual.stride(0), hidden_size, eps, MIN_AMAX,
+        HAS_RESIDUAL=residual is not None, FP8_MAX=FP8_MAX, INV_FP8_MAX=_INV_FP8_MAX, BLOCK_H=block_h,
+        USE_PDL=pdl, launch_pdl=pdl, num_warps=num_warps,
+    )
+    return qx, scales, new_residual
 
 
 def quantize_fp8_activation_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,12 @@ decode-latency --fusions ...`); the model's code does not change with them:
                   `QuantizedLinear.silu_quant_forward`, `silu_and_mul_quantize_fp8_triton`): the [T, I] activation
                   is never written in bf16 and read back. Bit for bit the unfused result. Opt-in: no gain on an H100
                   (#18's fp8 + fp8 KV offline run, 5,026 against 5,062 tok/s)
+    norm_quant    the RMSNorm (with its residual add) before the qkv and gate_up projections and the per-token fp8
+                  quantization of its output in one kernel, for an fp8 layer's W8A8 GEMM (prompt steps;
+                  `QuantizedLinear.add_norm_quant_forward`, `add_rms_norm_quantize_fp8_triton`): the normalised row
+                  is never written in bf16 and read back. Bit for bit the unfused result. Opt-in until measured (an
+                  fp8 4,096-token prompt step on an H100 spends 6.0 of its 74 ms quantizing activations, two thirds
+                  of that on these two projections' inputs)
 
 `get_ops("triton", fusions)` takes "all" (rope_store and add_norm: the default), "none", or names joined by "," or
 "+" ("all+attn_combine"); without `fusions`, from $TANDEM_FUSIONS (the same syntax), which reaches every engine a
@@ -51,7 +57,7 @@ from tandem.kernels.silu_and_mul import silu_and_mul_ref, silu_and_mul_triton
 from tandem.kernels.store_kv import store_kv_ref, store_kv_triton
 
 FUSIONS = ("rope_store", "add_norm")  # "all", in this order
-OPT_IN_FUSIONS = ("attn_combine", "norm_linear", "silu_linear", "silu_quant")  # only when named
+OPT_IN_FUSIONS = ("attn_combine", "norm_linear", "silu_linear", "silu_quant", "norm_quant")  # only when named
 FUSIONS_ENV = "TANDEM_FUSIONS"
 
 

@@ -97,6 +97,8 @@
 #            two prefill workers at 85% of the SMs at 2-48 req/s (their pools recorded), ~8 min
 #   share14c #14 in one call: share14's stack test, then colocated and two prefill workers with shared weights at 85% of
 #            the SMs (SHARE14C_SPLITS="85 70" adds 70%) at 16, 32 and 48 req/s (SHARE14C_RATES), on the same card, ~4-6 min
+#   n18      #18: the norm_quant and silu_quant fusions (activation quantization inside its producers): GPU tests, the
+#            fp8 prompt step's kernels with them, fp8 + fp8 KV offline with none / one / both, twice, ~6 min
 #   prof18   #18: where fp8's prefill falls short of 2x bf16 (offline 1.41x, target 1.5x): the GPU kernels of one
 #            4,096-token prompt step and of a 256-sequence decode step, bf16 / fp8 / fp8 + fp8 KV; the silu_quant
 #            fusion's GPU tests and its offline A/B (fp8 + fp8 KV), ~7 min
@@ -1437,6 +1439,25 @@ suite_prof18q() {
         step "prof18q-$variant" 200 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" "${args[@]}" \
             --prompt-tokens "0,$(n 4096 64)" --decodes 0 --context "$(n 1024 32)" --repeat "$(n 3 1)" \
             --profile --out "$OUT/step-cost-$variant.json"
+    done
+}
+
+# 2026-12-08, ninth session (#18): the fp8 prompt step's quantization passes (prof18q: 6 of 74 ms) taken into the
+# producers: norm_quant (RMSNorm -> qkv / gate_up) and silu_quant (SwiGLU -> down). Their GPU tests, the prompt step's
+# kernels with both, then fp8 + fp8 KV offline with all / +norm_quant / +norm_quant+silu_quant, twice in rotated
+# order, ~6 min.
+suite_n18() {
+    step n18-tests 150 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_quant_linear.py \
+        tests/kernels/test_norm_linear_model.py -k "norm_quant or norm_quantize or silu_quant or silu_quantize"
+    step n18-prof 120 env TANDEM_FUSIONS=all+norm_quant+silu_quant $PY -m tandem.benchmarks.step_cost --model "$BIG" \
+        --device "$DEVICE" --quantization fp8 --kv-cache-dtype fp8 --prompt-tokens "0,$(n 4096 64)" --decodes 0 \
+        --context "$(n 1024 32)" --repeat "$(n 3 1)" --profile --out "$OUT/step-cost-fused.json"
+    local fusions round
+    for round in 1 2; do
+        for fusions in all all+norm_quant all+norm_quant+silu_quant; do
+            step "n18-offline-$fusions-$round" 100 env TANDEM_FUSIONS=$fusions $TI $PY -m tandem.benchmarks.quant \
+                offline $DRY --model "$BIG" --variants fp8+fp8kv --out "$OUT/offline-$fusions-$round"
+        done
     done
 }
 

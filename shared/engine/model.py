@@ -158,11 +158,15 @@ class LlamaDecoderLayer(nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`linear`(norm(hidden + residual)) → (that, hidden + residual); without a residual, of `hidden` alone
         (→ (that, hidden)). With the norm_linear fusion, a projection that can take the norm into its own launch
-        does (`QuantizedLinear.add_norm_forward`: one token); else the norm kernel, then the projection."""
-        fused = getattr(linear, "add_norm_forward", None) if "norm_linear" in self.ops.fusions else None
-        result = fused(hidden, residual, norm.weight, norm.eps) if fused is not None else None
-        if result is not None:
-            return result
+        does (`QuantizedLinear.add_norm_forward`: one token); with norm_quant, an fp8 projection's prompt rows get
+        the norm made and quantized in one kernel (`add_norm_quant_forward`); else the norm kernel, then the
+        projection."""
+        fusions = self.ops.fusions
+        for fusion, method in (("norm_linear", "add_norm_forward"), ("norm_quant", "add_norm_quant_forward")):
+            fused = getattr(linear, method, None) if fusion in fusions else None
+            result = fused(hidden, residual, norm.weight, norm.eps) if fused is not None else None
+            if result is not None:
+                return result
         if residual is None:
             residual = hidden
             hidden = self.ops.rms_norm(hidden, norm.weight, norm.eps)

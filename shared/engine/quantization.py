@@ -31,7 +31,11 @@ from torch import nn
 
 from tandem.common.config import ConfigError
 from tandem.engine.model import LlamaForCausalLM
-from tandem.kernels.fp8_linear import fp8_gemm_triton, silu_and_mul_quantize_fp8_triton
+from tandem.kernels.fp8_linear import (
+    add_rms_norm_quantize_fp8_triton,
+    fp8_gemm_triton,
+    silu_and_mul_quantize_fp8_triton,
+)
 from tandem.kernels.quant_linear import QuantWeight, linear_function
 from tandem.kernels.quant_small_m import (
     SmallMWorkspace,
@@ -105,12 +109,27 @@ class QuantizedLinear(nn.Module):
             return None
         return small_m_silu_linear_triton(gate_up, self.qweight, self.scales, self.bias, workspace=self._workspace)
 
+    def _takes_w8a8_rows(self, x: torch.Tensor) -> bool:
+        """Whether x's rows run this fp8 layer's W8A8 GEMM on the Triton backend (above the small-M limit: a prompt
+        step), so that a producer may hand it quantized rows."""
+        return (self.kind == "fp8" and self._workspace is not None and x.dim() == 2
+                and not use_small_m(x.shape[0], kind="fp8"))
+
+    def add_norm_quant_forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RMSNorm of x (+ residual) quantized per token in one kernel, then this fp8 layer's W8A8 GEMM: (out [M, N],
+        new residual [M, K]) for a prompt step's rows (`_takes_w8a8_rows`); None where that path does not run (the
+        caller runs the norm, then `forward`). The same result as theirs, bit for bit."""
+        if not self._takes_w8a8_rows(x):
+            return None
+        qx, x_scales, new_residual = add_rms_norm_quantize_fp8_triton(x, residual, norm_weight, eps)
+        return fp8_gemm_triton(qx, x_scales, self.qweight, self.scales, self.bias, x.dtype), new_residual
+
     def silu_quant_forward(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up quantized per token in one kernel, then this fp8 layer's W8A8 GEMM, for gate_up rows
         [M, 2K] on the Triton backend above the small-M limit (a prompt step); None where that path does not run
         (the caller runs `silu_and_mul`, then `forward`). The same result as theirs, bit for bit."""
-        if (self.kind != "fp8" or self._workspace is None or gate_up.dim() != 2
-                or use_small_m(gate_up.shape[0], kind="fp8")):
+        if not self._takes_w8a8_rows(gate_up):
             return None
         qx, x_scales = silu_and_mul_quantize_fp8_triton(gate_up)
         return fp8_gemm_triton(qx, x_scales, self.qweight, self.scales, self.bias, gate_up.dtype)

@@ -126,3 +126,33 @@ def test_silu_quant_fusion_gives_the_unfused_logits(device: torch.device, monkey
     assert calls == [len(prompt)] * fused.model.num_layers  # the prompt step's down projections only
     torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)
     torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)
+
+
+@pytest.mark.usefixtures("needs_triton")
+def test_norm_quant_fusion_gives_the_unfused_logits(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """norm_quant: an fp8 qkv or gate_up projection of a prompt step gets its input normalised and quantized in one
+    kernel (the first layer's qkv without a residual); the logits are the unfused path's exactly, and a decode step's
+    one token keeps the small-M path."""
+    if device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 weights need compute capability 8.9")
+    calls: list[tuple[int, bool]] = []
+    real = quantization_module.add_rms_norm_quantize_fp8_triton
+
+    def spy(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):  # type: ignore[no-untyped-def]
+        calls.append((x.shape[0], residual is not None))
+        return real(x, residual, weight, eps)
+
+    monkeypatch.setattr(quantization_module, "add_rms_norm_quantize_fp8_triton", spy)
+    prompt = list(range(300, 319))
+    torch.manual_seed(0)
+    unfused = _runner("fp8", "all", device)
+    torch.manual_seed(0)
+    fused = _runner("fp8", "all+norm_quant", device)
+    with torch.inference_mode():
+        expected = _prefill_then_decode(unfused, prompt)
+        assert calls == []
+        got = _prefill_then_decode(fused, prompt)
+    assert calls == [(len(prompt), not (layer == 0 and proj == "qkv")) for layer in range(fused.model.num_layers)
+                     for proj in ("qkv", "gate_up")]  # the prompt step's only
+    torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)
+    torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)

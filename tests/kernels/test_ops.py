@@ -61,9 +61,9 @@ def test_fusion_names_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_fusions("all") == parse_fusions(" rope_store , add_norm ") == frozenset(FUSIONS)
     assert parse_fusions("none") == parse_fusions("") == parse_fusions([]) == frozenset()
     assert fusions_label(frozenset()) == "none" and fusions_label(frozenset(FUSIONS)) == "all"
-    # norm_linear, silu_linear and silu_quant are no ops of the bundle: the model's layers apply them
+    # norm_linear, silu_linear, silu_quant and norm_quant are no ops of the bundle: the model's layers apply them
     # (tests/kernels/test_norm_linear_model.py).
-    assert set(OPT_IN_OPS) | {"norm_linear", "silu_linear", "silu_quant"} == set(OPT_IN_FUSIONS)
+    assert set(OPT_IN_OPS) | {"norm_linear", "silu_linear", "silu_quant", "norm_quant"} == set(OPT_IN_FUSIONS)
     assert not set(OPT_IN_FUSIONS) & parse_fusions("all")
     assert fusions_label(parse_fusions("attn_combine,rope_store,add_norm")) == "all+attn_combine"
     assert fusions_label(parse_fusions("attn_combine+add_norm")) == "add_norm+attn_combine"

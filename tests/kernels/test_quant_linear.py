@@ -12,6 +12,7 @@ import torch
 from tandem.kernels.fp8_linear import (
     FP8_MAX,
     Fp8LinearConfig,
+    add_rms_norm_quantize_fp8_triton,
     fp8_gemm_triton,
     fp8_linear_ref,
     fp8_linear_triton,
@@ -20,6 +21,7 @@ from tandem.kernels.fp8_linear import (
     quantize_fp8_weight,
     silu_and_mul_quantize_fp8_triton,
 )
+from tandem.kernels.fused_add_rms_norm import fused_add_rms_norm_triton
 from tandem.kernels.int8_linear import (
     INT8_DEQUANT_MIN_M_ENV,
     Int8LinearConfig,
@@ -34,6 +36,7 @@ from tandem.kernels.int8_linear import (
 )
 from tandem.kernels.quant_common import FP8_DTYPE
 from tandem.kernels.quant_linear import QuantWeight, quant_linear
+from tandem.kernels.rms_norm import rms_norm_triton
 from tandem.kernels.silu_and_mul import silu_and_mul_triton
 
 # (M, N, K): one token; K not a multiple of any block and N odd; more rows than one 16-row block.
@@ -344,6 +347,33 @@ def test_fp8_silu_quantize_kernel_is_silu_and_mul_then_quantize(dtype: torch.dty
     assert torch.equal(fp8_gemm_triton(q, s, qweight, w_scales, None, dtype), expected)
     with pytest.raises(ValueError, match="fp8_gemm"):
         fp8_gemm_triton(q, s[:2], qweight, w_scales, None, dtype)
+
+
+@pytest.mark.usefixtures("needs_triton")
+@pytest.mark.parametrize("has_residual", [False, True], ids=["first", "residual"])
+def test_fp8_norm_quantize_kernel_is_the_norm_then_quantize(has_residual: bool, dtype: torch.dtype,
+                                                           device: torch.device) -> None:
+    """`add_rms_norm_quantize_fp8_triton` (the norm_quant fusion) bit for bit against the norm kernel and the
+    quantization it replaces, the new residual included: a ragged hidden size, rows of different ranges, a zero row."""
+    ranges = torch.tensor([[1e-3], [1.0], [8.0], [30.0], [0.0]], device=device)
+    x = (torch.randn(5, 300, device=device) * ranges).to(dtype)
+    residual = (torch.randn(5, 300, device=device) * ranges).to(dtype) if has_residual else None
+    weight = (torch.rand(300, device=device) + 0.5).to(dtype)
+    if residual is None:
+        normed, expected_residual = rms_norm_triton(x.clone(), weight, 1e-5), x.clone()
+    else:
+        normed, expected_residual = fused_add_rms_norm_triton(x.clone(), residual.clone(), weight, 1e-5)
+    q_ref, s_ref = quantize_fp8_activation_triton(normed)
+    x_before = x.clone()
+    q, s, new_residual = add_rms_norm_quantize_fp8_triton(x, residual, weight, 1e-5)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(new_residual, expected_residual)
+    assert torch.equal(x, x_before)  # x is read, never written
+    if residual is not None:
+        assert new_residual.data_ptr() == residual.data_ptr()  # in place, as fused_add_rms_norm
+    with pytest.raises(ValueError, match="weight shape"):
+        add_rms_norm_quantize_fp8_triton(x, residual, weight[:10], 1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------
