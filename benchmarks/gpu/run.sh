@@ -97,6 +97,7 @@
 #            two prefill workers at 85% of the SMs at 2-48 req/s (their pools recorded), ~8 min
 #   share14c #14 in one call: share14's stack test, then colocated and two prefill workers with shared weights at 85% of
 #            the SMs (SHARE14C_SPLITS="85 70" adds 70%) at 16, 32 and 48 req/s (SHARE14C_RATES), on the same card, ~4-6 min
+#   first14  #14 item 4: the first request against steady, colocated and shared 85%, workers' logs and spans kept, ~3 min
 #   n18      #18: the norm_quant and silu_quant fusions (activation quantization inside its producers): GPU tests, the
 #            fp8 prompt step's kernels with them, fp8 + fp8 KV offline with none / one / both, twice, ~6 min
 #   prof18   #18: where fp8's prefill falls short of 2x bf16 (offline 1.41x, target 1.5x): the GPU kernels of one
@@ -1439,6 +1440,21 @@ suite_prof18q() {
         step "prof18q-$variant" 200 $PY -m tandem.benchmarks.step_cost --model "$BIG" --device "$DEVICE" "${args[@]}" \
             --prompt-tokens "0,$(n 4096 64)" --decodes 0 --context "$(n 1024 32)" --repeat "$(n 3 1)" \
             --profile --out "$OUT/step-cost-$variant.json"
+    done
+}
+
+# 2026-12-08, ninth session (#14 item 4): the first request took 3.95x steady colocated and 3.55x with shared weights
+# (share14c), against 1.12-1.34x on 12-02. A short run of each mode with the workers' logs kept (the compile watch names
+# any kernel compiled while serving) and every span exported for the first request's phases, ~3 min.
+suite_first14() {
+    local mode args
+    for mode in colocated shared85; do
+        args=(--mode colocated)
+        [ $mode = shared85 ] && args=(--mode split:85:100 --prefill-workers 2)
+        KEEP_LOGS=1 step "first14-$mode" 150 env OTEL_TRACES_EXPORTER=console OTEL_BSP_SCHEDULE_DELAY=200 \
+            $PY -m tandem.benchmarks.serve_modes "${args[@]}" --model "$BIG" --device "$DEVICE" \
+            --max-num-seqs "$(n 128 8)" --rates 2 --num-requests "$(n 16 2)" --prompt-len "fixed:$(n 1024 32)" \
+            --output-len "fixed:$(n 64 4)" --out "$OUT/first14-$mode.json"
     done
 }
 
