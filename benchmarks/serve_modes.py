@@ -86,7 +86,7 @@ def running_stack(mode: str, model: str, device: str, max_num_seqs: int, extra_a
 
 def kv_pools(status: Path) -> dict[str, str]:
     """Each worker's `KV pool: ...` line from its log (the paths `tandem up --status-file` wrote), by role and
-    index: how the GPU's memory went to the roles in this run."""
+    index: how the GPU's memory went to the roles in this run (and whose weights a prefill worker ran on)."""
     try:
         services = json.loads(status.read_text())["services"]
     except (OSError, ValueError, KeyError):
@@ -104,6 +104,9 @@ def kv_pools(status: Path) -> dict[str, str]:
         line = next((ln for ln in lines if "KV pool:" in ln), None)
         if line is not None:
             pools[f"{role}-{index}"] = line[line.index("KV pool:") + len("KV pool:"):].strip()
+            # `start_engine`'s line of a prefill worker on a decode worker's weights (tandem up's default on a GPU)
+            if any("weight tensors of the worker beside it" in ln for ln in lines):
+                pools[f"{role}-{index}"] += " [weights mapped from decode]"
     return pools
 
 

@@ -468,10 +468,12 @@ def up(
     gateway_workers: Annotated[int | None, typer.Option(
         min=1, help="Gateway processes on the gateway's ports (`tandem gateway --workers`). Default: one per 4 "
                     "CPUs, between 1 and 4.", show_default=False)] = None,
-    share_weights: Annotated[bool, typer.Option(
+    share_weights: Annotated[bool | None, typer.Option(
         "--share-weights/--no-share-weights",
         help="On a GPU, prefill workers map the first decode worker's weights (CUDA IPC) instead of loading a copy "
-             "each; they then stop when it does. --no-share-weights: a copy each.")] = True,
+             "each; they then stop when it does. Default: on with one decode worker, unless PYTORCH_CUDA_ALLOC_CONF "
+             "asks for expandable segments; never with --gpu-memory-fraction (it sizes every worker alike).",
+        show_default=False)] = None,
 ) -> None:
     """Start a gateway, N prefill and M decode workers (one process each), until Ctrl-C/SIGTERM."""
     from tandem.launcher import Stack, StackOptions

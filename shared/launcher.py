@@ -136,15 +136,24 @@ class StackOptions:
     # (`tandem.gateway.workers.default_num_workers`).
     gateway_workers: int | None = None
     # On one GPU, prefill workers map the first decode worker's weights (`tandem prefill --weights-from`) instead of
-    # loading a copy each (`tandem.serving.weight_ipc`); measured on an H100 (docs/architecture.md).
-    share_weights: bool = True
+    # loading a copy each (`tandem.serving.weight_ipc`); measured on an H100 (docs/architecture.md). None: where it
+    # costs nothing else (`shares_weights`); True / False: as asked.
+    share_weights: bool | None = None
 
     @property
     def shares_weights(self) -> bool:
         """Whether this stack's prefill workers map a decode worker's weights: on CUDA, both roles present, and each
-        worker's memory from `gpu_memory_shares` (a fraction given for every worker assumes its own weights)."""
-        return (self.share_weights and self.device.startswith("cuda") and self.num_prefill > 0
-                and self.num_decode > 0 and not self.gpu_memory_fraction)
+        worker's memory from `gpu_memory_shares` (a fraction given for every worker assumes its own weights). By
+        default (`share_weights` None) also only with one decode worker (a prefill worker on a decode worker's
+        weights stops when that worker does: with several, one crash would take every prefill worker with it) and
+        without expandable segments (`PYTORCH_CUDA_ALLOC_CONF`: their handles cannot be opened by a peer)."""
+        possible = (self.device.startswith("cuda") and self.num_prefill > 0 and self.num_decode > 0
+                    and not self.gpu_memory_fraction)
+        if self.share_weights is None:
+            return (possible and self.num_decode == 1
+                    and "expandable_segments:true" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower()
+                    .replace(" ", ""))
+        return possible and self.share_weights
 
 
 @dataclass

@@ -1,4 +1,8 @@
 #!/usr/bin/env bash
+# Since 2026-12-08 `tandem up` on a GPU with one decode worker has its prefill workers map the decode worker's weights
+# (`--share-weights`): suites written before then measured each worker with its own copy; pass
+# `--stack-args=--no-share-weights` (serve_modes) or `--no-share-weights` to reproduce them.
+#
 # The GPU checks and benchmarks, by suite: `benchmarks/gpu/run.sh SUITE [SUITE ...]` on the GPU host, after
 # `benchmarks/gpu/prepare.sh` here (carry `.whl`). Every step writes under $OUT, its log to $OUT/run.log; a
 # table of the steps (exit code, seconds) comes last. On the GPU host everything lands in $OUT/results.tgz (below).
@@ -1380,7 +1384,7 @@ suite_h18k() {
 }
 
 # 2026-12-07, seventh session (#14): on an 80 GB card two 8B prefill workers' own weights left decode ~8 GB of pages; now
-# they may map the decode worker's (`tandem up --share-weights`, opt-in until this runs). The stack test of it, then serve14e's
+# they may map the decode worker's (`tandem up --share-weights`, opt-in until this ran; the default since 12-08). The stack test of it, then serve14e's
 # two workers at 85% at every rate.
 suite_share14() {
     step share14-stack 150 $PY -m pytest -q -x -p no:cacheprovider tests/e2e/test_gpu_stack.py \

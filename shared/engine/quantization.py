@@ -18,7 +18,11 @@ which emulates the fp8 arithmetic in fp32, or at small M `fp8_weight_only_ref`),
 every call: it is there to check accuracy on a CPU, not for speed. Elsewhere (CUDA with use_triton=False) the
 references run. With the `norm_linear` fusion (`tandem.kernels.ops`), a layer's qkv and gate_up projections of one
 token take the RMSNorm before them (and its residual add) into their small-M launch (`add_norm_forward`); with
-`silu_linear`, the down projection of one token takes the SwiGLU activation into its launch (`silu_forward`).
+`silu_linear`, the down projection of one token takes the SwiGLU activation into its launch (`silu_forward`). At the
+other end, an fp8 layer's prompt rows (above the small-M limit) may get their input already quantized by its producer:
+with `norm_quant` the RMSNorm's kernel quantizes it for qkv and gate_up (`add_norm_quant_forward`), with `silu_quant`
+the SwiGLU's for down (`silu_quant_forward`). Triton's int8 GEMM dequantizes the weight once for prompt rows
+(`tandem.kernels.int8_linear.int8_dequant_min_m`) and calls cuBLAS.
 
 Scales are plain absmax, not `quantize_int8_weight`'s clip search: that search lowers the weight MSE by ~3%
 (its docstring), which is worth little at 8 bits, and costs ~30 s for SmolLM2-135M on a 2-core CPU at every load.

@@ -140,8 +140,8 @@ def test_prefill_workers_sharing_weights_map_the_first_decode_workers_and_need_n
     assert mapped[1] > own[1] + 0.3  # decode gets what the two copies took (~24 GB more on this card)
 
     def weights_from(**options: Any) -> dict[str, list[str]]:
-        stack = Stack(StackOptions(model="dummy:llama-3.1-8b", log_dir=tmp_path, num_prefill=2, num_decode=2,
-                                   **options))
+        options.setdefault("num_decode", 2)
+        stack = Stack(StackOptions(model="dummy:llama-3.1-8b", log_dir=tmp_path, num_prefill=2, **options))
         stack._plan()
         decode = [s.grpc for s in stack.services if s.role == "decode"]
         found: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -152,17 +152,22 @@ def test_prefill_workers_sharing_weights_map_the_first_decode_workers_and_need_n
         assert all(address == decode[0] for addresses in found.values() for address in addresses)
         return found
 
-    for options in ({"device": "cuda"}, {"device": "cuda", "share_weights": True}):  # the default on a GPU
+    # The default on a GPU with one decode worker; asked for, with several too.
+    for options in ({"device": "cuda", "num_decode": 1}, {"device": "cuda", "share_weights": True}):
         shared = weights_from(**options)
         assert len(shared["prefill"]) == 2 and shared["decode"] == []  # each prefill worker, the first decode worker's
-    # Not when turned off, not on the CPU, not with a fraction given for every worker (it assumes each its own weights).
-    for options in ({"device": "cuda", "share_weights": False}, {"device": "cpu"},
-                    {"device": "cuda", "gpu_memory_fraction": 0.3}):
+    # Not when turned off, not on the CPU, not with a fraction given for every worker (it assumes each its own weights);
+    # not by default with several decode workers (one crash would stop every prefill worker) or expandable segments.
+    for options in ({"device": "cuda", "share_weights": False, "num_decode": 1}, {"device": "cpu", "num_decode": 1},
+                    {"device": "cuda", "gpu_memory_fraction": 0.3, "share_weights": True}, {"device": "cuda"}):
         assert weights_from(**options) == {"prefill": [], "decode": []}, options
-    # `tandem up --no-share-weights` reaches the options; sharing is the default.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512,expandable_segments:True")
+    assert weights_from(device="cuda", num_decode=1) == {"prefill": [], "decode": []}
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    # `tandem up --share-weights / --no-share-weights` reach the options; neither leaves it to the stack (None).
     monkeypatch.setattr(Stack, "run", lambda self, **kw: print(self.options.share_weights) or 0)
-    assert CliRunner().invoke(app, ["up", "--model", "dummy:tiny", "--no-share-weights"]).output.strip() == "False"
-    assert CliRunner().invoke(app, ["up", "--model", "dummy:tiny"]).output.strip() == "True"
+    for flags, expected in ((["--share-weights"], "True"), (["--no-share-weights"], "False"), ([], "None")):
+        assert CliRunner().invoke(app, ["up", "--model", "dummy:tiny", *flags]).output.strip() == expected
 
 
 def test_with_shared_weights_tandem_up_stops_decode_workers_only_after_the_rest(
