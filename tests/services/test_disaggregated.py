@@ -234,8 +234,14 @@ async def test_a_pipelined_prompts_first_token_does_not_wait_for_the_next_steps_
         deliver(req_id, messages)
 
     export._deliver = held
-    gate = threading.Event()
-    engine.post(lambda e: gate.wait(10))  # both prompts are queued before the first step
+    gate, gated = threading.Event(), threading.Event()
+
+    def hold(_engine: object) -> None:  # both prompts are queued before the first step
+        gated.set()
+        gate.wait(10)
+
+    engine.post(hold)
+    assert gated.wait(10)  # the engine thread holds: its queue is empty but for what comes next, in order
     stub = worker_pb2_grpc.PrefillStub(make_channel(prefill.address))
     params = SamplingParams(max_tokens=4, temperature=0.0, seed=0)
 

@@ -35,16 +35,24 @@ async def saturate(seconds: float, turn_s: float = 0.012) -> None:
         await asyncio.sleep(0)
 
 
+async def falls_back(pacer: StreamPacer, within_s: float = 3.0) -> bool:
+    """Whether the interval is back at 1 within `within_s` of an idle loop: three punctual ticks halve 8 to 1 in
+    60 ms, but on a loaded machine (CI's two cores) a tick may come more than IDLE_LAG_S late and change nothing."""
+    end = time.perf_counter() + within_s
+    while pacer.interval != 1 and time.perf_counter() < end:
+        await asyncio.sleep(0.02)
+    return pacer.interval == 1
+
+
 async def test_the_interval_rises_while_saturated_and_falls_back() -> None:
     pacer = StreamPacer(maximum=8)
     pacer.start()
     try:
         await asyncio.sleep(0.1)
-        assert pacer.interval == 1  # an idle loop
+        assert await falls_back(pacer)  # an idle loop
         await saturate(0.4)
         assert pacer.interval == 8  # doubled every late tick, up to the maximum
-        await asyncio.sleep(0.2)
-        assert pacer.interval == 1  # halved every punctual tick
+        assert await falls_back(pacer)  # halved every punctual tick
     finally:
         pacer.stop()
 
@@ -70,8 +78,7 @@ async def test_a_loop_busy_in_short_turns_raises_the_interval_too() -> None:
         if share < 0.9:  # other processes took the core: the loop was not busy by the measure the pacer uses
             pytest.skip(f"this thread got {share:.0%} of a core while spinning (a loaded machine)")
         assert pacer.interval == 4
-        await asyncio.sleep(0.2)
-        assert pacer.interval == 1
+        assert await falls_back(pacer)
     finally:
         pacer.stop()
 
