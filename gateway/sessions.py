@@ -42,8 +42,7 @@ import grpc
 
 from tandem.common.config import env_number
 from tandem.serving import metrics
-from tandem.serving.auth import TokenChannel
-from tandem.serving.rpc import ChannelPool, TlsConfig, channel_options
+from tandem.serving.rpc import ChannelPool, TlsConfig, make_channel
 from tandem.serving.service import SESSION_WINDOW_KEY
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -71,16 +70,10 @@ def session_channel(address: str, tls: TlsConfig | None = None, internal_token: 
     """A channel for `Decode.Session` calls: `tandem.serving.rpc.make_channel`'s (message limits, keepalive pings,
     TLS, the internal token), but with BDP probing off and a small window, so that a decode worker merges its steps
     once this gateway lags (the module's docstring says why)."""
-    options = [
-        *channel_options(),
+    return make_channel(address, tls=tls, internal_token=internal_token, extra_options=(
         ("grpc.http2.bdp_probe", 0),
         ("grpc.http2.lookahead_bytes", SESSION_WINDOW_BYTES if SESSION_COLUMNS else 65535),
-    ]
-    if tls is not None:
-        channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
-    else:
-        channel = grpc.aio.insecure_channel(address, options=options)
-    return channel if internal_token is None else TokenChannel(channel, internal_token)
+    ))
 
 
 # Slots are uint32 on the wire; 0 means none. After the last one the numbers start again (a request still in flight

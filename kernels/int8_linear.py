@@ -379,15 +379,13 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     if isinstance(config, SmallMConfig) or (config is None and use_small_m(x.shape[0] if x.dim() == 2 else 0,
                                                                            small_m, "int8")):
         return small_m_linear_triton(x, qweight, scales, bias, config=config, workspace=workspace)
-    dequant_min_m = int8_dequant_min_m()
-    if config is None and dequant_min_m and x.dim() == 2 and x.shape[0] >= dequant_min_m:
-        check_linear_args("int8_linear", x, qweight, scales, bias, torch.int8, allow_groups=True)
-        check_launchable("int8_linear", x, qweight, scales)
-        return torch.nn.functional.linear(x, dequantize_int8_weight_triton(qweight, scales, x.dtype),
-                                          None if bias is None else bias.to(x.dtype))
     check_launchable("int8_linear", x, qweight, scales)
     check_last_dim_contiguous("int8_linear", x=x, qweight=qweight, scales=scales)
     group_size = check_linear_args("int8_linear", x, qweight, scales, bias, torch.int8, allow_groups=True)
+    dequant_min_m = int8_dequant_min_m()
+    if config is None and dequant_min_m and x.shape[0] >= dequant_min_m:
+        return torch.nn.functional.linear(x, dequantize_int8_weight_triton(qweight, scales, x.dtype),
+                                          None if bias is None else bias.to(x.dtype))
     if group_size % 16:
         raise ValueError(f"int8_linear: group size {group_size} (from scales {tuple(scales.shape)}) "
                          f"must be a multiple of 16")

@@ -279,11 +279,12 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 
 
 def make_channel(address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 tls: TlsConfig | None = None, internal_token: str | None = None) -> grpc.aio.Channel:
-    """A channel to "host:port" with tandem's message-size limits and keepalive pings; TLS (presenting
-    this service's certificate, for mutual TLS) when `tls` is given, plaintext otherwise; every call carries
-    `internal_token` (the stack's, `tandem.serving.auth`) when given."""
-    options = channel_options(max_message_bytes)
+                 tls: TlsConfig | None = None, internal_token: str | None = None,
+                 extra_options: Sequence[tuple[str, int]] = ()) -> grpc.aio.Channel:
+    """A channel to "host:port" with tandem's message-size limits and keepalive pings (`channel_options`, then
+    `extra_options`); TLS (presenting this service's certificate, for mutual TLS) when `tls` is given, plaintext
+    otherwise; every call carries `internal_token` (the stack's, `tandem.serving.auth`) when given."""
+    options = [*channel_options(max_message_bytes), *extra_options]
     if tls is not None:
         channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
     else:
